@@ -1,0 +1,137 @@
+"""The four floating formats under test: exact rounding into them, and ULP distances.
+
+Every format here is IEEE-style binary floating point, described by its precision ``p`` (significand
+bits, the implicit one included) and exponent range.  Rounding goes straight from an mpmath value to
+the target with round-to-nearest-even on the integer significand, so there is exactly one rounding
+(never through float64 first), with gradual underflow into subnormals and overflow to +-inf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+from mpmath import mp, mpf
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    dtype: np.dtype
+    precision: int  # significand bits, implicit bit included
+    emin: int  # exponent of the smallest normal number
+    emax: int  # exponent of the largest finite number
+    bits: int  # storage width
+    uint: type  # unsigned integer type of the same width, for bit patterns
+
+    @property
+    def max_finite(self) -> float:
+        return math.ldexp(2**self.precision - 1, self.emax - self.precision + 1)
+
+    @property
+    def smallest_subnormal(self) -> float:
+        return math.ldexp(1, self.emin - self.precision + 1)
+
+    @property
+    def eps(self) -> float:
+        """Unit roundoff u = 2^-p: the largest relative error of one rounding to nearest."""
+        return math.ldexp(1, -self.precision)
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("float64", np.dtype(np.float64), 53, -1022, 1023, 64, np.uint64),
+        Format("float32", np.dtype(np.float32), 24, -126, 127, 32, np.uint32),
+        Format("float16", np.dtype(np.float16), 11, -14, 15, 16, np.uint16),
+        Format("bfloat16", np.dtype(ml_dtypes.bfloat16), 8, -126, 127, 16, np.uint16),
+    )
+}
+
+
+def fmt(dtype) -> Format:
+    """The Format of a dtype, a dtype name, or a Format."""
+    if isinstance(dtype, Format):
+        return dtype
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unsupported floating format {name!r}; expected one of {sorted(FORMATS)}") from None
+
+
+def _round_scalar(x, f: Format) -> float:
+    """Round one real (mpf, int or float) to the nearest value of format f, ties to even."""
+    x = mpf(x) if not isinstance(x, mpf) else x
+    if x == 0:
+        return 0.0
+    if not mp.isfinite(x):
+        return float(x)
+    sign, man, exp, bc = x._mpf_  # |x| = man * 2^exp, man has bc bits
+    e = exp + bc - 1  # floor(log2 |x|)
+    q = max(e, f.emin) - (f.precision - 1)  # exponent of one ULP at |x| (subnormals: fixed at emin)
+    if exp >= q:
+        n = man << (exp - q)
+    else:
+        shift = q - exp
+        n, rem = man >> shift, man & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        if rem > half or (rem == half and n & 1):
+            n += 1
+    value = math.ldexp(n, q) if n.bit_length() + q <= 1024 else math.inf
+    if value > f.max_finite:
+        value = math.inf
+    return -value if sign else value
+
+
+def round_to(x, dtype) -> np.ndarray:
+    """Round an exact (mpf/int/float) scalar or array to ``dtype`` with one rounding to nearest even.
+
+    The rounded value is exactly representable in the target, hence in float64, so going through a
+    float64 *container* after rounding is exact.  Zeros underflowed from negative values keep their sign.
+    """
+    f = fmt(dtype)
+    arr = np.asarray(x, dtype=object)
+    out = np.array([_round_scalar(v, f) for v in arr.ravel()], dtype=np.float64).reshape(arr.shape)
+    return out.astype(f.dtype)
+
+
+def _ordinal(a: np.ndarray, f: Format) -> np.ndarray:
+    """Map floats to integers in value order: consecutive floats differ by 1, and +0 and -0 both map to 0."""
+    bits = np.ascontiguousarray(a, dtype=f.dtype).view(f.uint).astype(np.int64)
+    if f.bits == 64:  # the sign bit is the int64 sign; fold negatives onto the negative axis
+        mag = bits & np.int64(0x7FFFFFFFFFFFFFFF)
+        return np.where(bits < 0, -mag, mag)
+    sign = np.int64(1) << (f.bits - 1)
+    return np.where(bits & sign, -(bits & (sign - 1)), bits)
+
+
+def ulp_distance(a, b, dtype=None) -> np.ndarray:
+    """Number of representable values between a and b in their format, elementwise, as float64.
+
+    +0 and -0 are equal; a pair straddling zero counts the steps on both sides; +-inf sit one step
+    beyond the largest finite value (so an overflowed rounding is one ULP off, not infinitely far);
+    NaN against NaN is 0, NaN against anything else is inf.
+    """
+    f = fmt(dtype if dtype is not None else np.asarray(a).dtype)
+    a = np.asarray(a).astype(f.dtype)
+    b = np.asarray(b).astype(f.dtype)
+    a_nan, b_nan = np.isnan(a.astype(np.float64)), np.isnan(b.astype(np.float64))
+    d = np.abs(_ordinal(a, f) - _ordinal(b, f)).astype(np.float64)
+    d = np.where(a_nan | b_nan, np.inf, d)
+    return np.where(a_nan & b_nan, 0.0, d)
+
+
+def ulp(x, dtype) -> np.ndarray:
+    """Spacing of the format at magnitude |x| (the ULP of a number of that size), as float64.
+
+    Below the normal range the spacing is the smallest subnormal; at or above the largest finite
+    value (inf included) it is the spacing of the top binade.
+    """
+    f = fmt(dtype)
+    mag = np.abs(np.asarray(x, dtype=np.float64))
+    _, e = np.frexp(np.where(np.isfinite(mag), mag, f.max_finite))  # mag = m * 2^e, m in [0.5, 1)
+    e = np.clip(e - 1, f.emin, f.emax)
+    return np.ldexp(1.0, e - (f.precision - 1))

@@ -1,0 +1,65 @@
+"""Linear.lean: linear maps, feed-forward activations, residuals, embeddings, the LM head."""
+
+import numpy as np
+
+from .basic import gelu_tanh, silu, softcap
+from .exact import dot, oracle
+
+
+@oracle
+def linear(W, x):
+    """``linear W x := fun t n => ∑ k, x t k * W n k``: ``W [N, K]``, ``x [..., K]`` -> ``[..., N]``."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = np.empty((rows.shape[0], W.shape[0]), dtype=object)
+    W_rows = [list(w) for w in W]
+    for t, row in enumerate(rows):
+        row = list(row)
+        for n, w in enumerate(W_rows):
+            out[t, n] = dot(row, w)
+    return out.reshape(x.shape[:-1] + (W.shape[0],))
+
+
+@oracle
+def gate_up(Wg, Wu, x):
+    """``gateUp Wg Wu x := fun t n => if n < I then linear Wg x t n else linear Wu x t (n - I)``"""
+    return np.concatenate([linear(Wg, x), linear(Wu, x)], axis=-1)
+
+
+@oracle
+def silu_mul(gu):
+    """``siluMul gu := fun t i => silu (gu t i) * gu t (I + i)``"""
+    I = gu.shape[-1] // 2
+    return silu(gu[..., :I]) * gu[..., I:]
+
+
+@oracle
+def gelu_mul(gu):
+    """``geluMul gu := fun t i => geluTanh (gu t i) * gu t (I + i)``"""
+    I = gu.shape[-1] // 2
+    return gelu_tanh(gu[..., :I]) * gu[..., I:]
+
+
+@oracle
+def residual(r, x, h):
+    """``residual r x h := fun t i => x t i + r * h t i``"""
+    return x + r * h
+
+
+@oracle
+def embed(c, E, tokens):
+    """``embed c E tokens := fun t i => c * E (tokens t) i``: ``E [V, H]``, ``tokens [T]`` -> ``[T, H]``."""
+    return c * E[np.asarray(tokens)]
+
+
+@oracle
+def lm_head(mul, cap, W, x):
+    """``lmHead mul cap W x``: ``W [V, H]``, ``x [..., H]`` -> ``[..., V]``.
+
+    .. code-block:: lean
+
+        fun t v => match cap with
+          | none => mul * linear W x t v
+          | some c => softcap c (mul * linear W x t v)
+    """
+    logits = mul * linear(W, x)
+    return logits if cap is None else softcap(cap, logits)

@@ -1,0 +1,46 @@
+"""Norm.lean: normalisations over the last axis; rows are the leading axes (the Lean index type ι)."""
+
+from mpmath import mp
+
+from .basic import silu
+from .exact import dot, oracle, rowwise
+
+
+@oracle
+def rms(eps, x):
+    """``rms (eps : ℝ) (x : Fin H → ℝ) : ℝ := Real.sqrt ((∑ j, x j ^ 2) / (H : ℝ) + eps)``
+
+    ``x [..., H]`` -> ``[...]``.
+    """
+    H = x.shape[-1]
+    return rowwise(lambda row: mp.sqrt(dot(row, row) / H + eps), x)
+
+
+@oracle
+def rmsnorm(eps, x, w):
+    """``rmsnorm eps x w := fun t h => x t h / Real.sqrt ((∑ j, x t j ^ 2) / (H : ℝ) + eps) * w h``"""
+    return x / rms(eps, x)[..., None] * w
+
+
+@oracle
+def rmsnorm_offset(eps, x, w):
+    """``rmsnormOffset eps x w := fun t h => x t h / Real.sqrt ((∑ j, x t j ^ 2) / (H : ℝ) + eps) * (1 + w h)``"""
+    return x / rms(eps, x)[..., None] * (1 + w)
+
+
+@oracle
+def rmsnorm_unit(eps, x):
+    """``rmsnormUnit eps x := fun t h => x t h / Real.sqrt ((∑ j, x t j ^ 2) / (H : ℝ) + eps)``"""
+    return x / rms(eps, x)[..., None]
+
+
+@oracle
+def rmsnorm_gated(eps, x, z, w):
+    """``rmsnormGated eps x z w := fun t h => w h * (x t h / Real.sqrt ((∑ j, x t j ^ 2) / (H : ℝ) + eps)) * silu (z t h)``"""
+    return w * (x / rms(eps, x)[..., None]) * silu(z)
+
+
+@oracle
+def l2norm(eps, x):
+    """``l2norm eps x := fun t h => x t h / Real.sqrt (∑ j, x t j ^ 2 + eps)``"""
+    return x / rowwise(lambda row: mp.sqrt(dot(row, row) + eps), x)[..., None]

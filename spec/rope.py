@@ -1,0 +1,55 @@
+"""Rope.lean: rotate-half RoPE with pairs (i, i + rot/2) and inverse frequencies theta^(-2i/denom)."""
+
+import numpy as np
+from mpmath import mp
+
+from .exact import elementwise, oracle
+
+
+@oracle
+def inv_freq(theta, denom, active, i):
+    """``invFreq theta denom active i := if i < active then theta ^ (-(2 * (i : ℝ) / denom)) else 0``
+
+    ``i`` is an integer or an integer array; the result has its shape.
+    """
+    return elementwise(lambda j: mp.power(theta, -(2 * mp.mpf(int(j)) / denom)) if j < active else mp.zero,
+                       np.asarray(i, dtype=object))
+
+
+@oracle
+def rope(theta, rot, denom, active, pos, x):
+    """``rope theta rot denom active pos x``: ``x [..., D]``, ``pos`` integer ``[...]``.
+
+    .. code-block:: lean
+
+        fun t d =>
+          let half := rot / 2
+          if d.val < half then
+            let a := (pos t : ℝ) * invFreq theta denom active d.val
+            x t d * Real.cos a - (if h : d.val + half < D then x t ⟨d.val + half, h⟩ else 0) * Real.sin a
+          else if d.val < 2 * half then
+            let a := (pos t : ℝ) * invFreq theta denom active (d.val - half)
+            x t d * Real.cos a + x t ⟨d.val - half, by omega⟩ * Real.sin a
+          else x t d
+    """
+    D = x.shape[-1]
+    half = rot // 2
+    pos = np.asarray(pos, dtype=object)
+    out = np.empty_like(x)
+    for d in range(D):
+        if d < half:
+            a = pos * inv_freq(theta, denom, active, d)
+            partner = x[..., d + half] if d + half < D else 0
+            out[..., d] = x[..., d] * elementwise(mp.cos, a) - partner * elementwise(mp.sin, a)
+        elif d < 2 * half:
+            a = pos * inv_freq(theta, denom, active, d - half)
+            out[..., d] = x[..., d] * elementwise(mp.cos, a) + x[..., d - half] * elementwise(mp.sin, a)
+        else:
+            out[..., d] = x[..., d]
+    return out
+
+
+@oracle
+def rope_std(theta, rot, pos, x):
+    """``ropeStd theta rot pos x := rope theta rot rot (rot / 2) pos x``"""
+    return rope(theta, rot, rot, rot // 2, pos, x)
