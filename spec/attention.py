@@ -5,7 +5,8 @@ head ``c``; ``pos [S]`` is the position of each query, and key ``l`` sits at pos
 """
 
 import numpy as np
-from mpmath import mp
+from mpmath import mp, mpf
+from mpmath.libmp import mpf_mul
 
 from .basic import sigmoid
 from .exact import dot, oracle
@@ -23,7 +24,8 @@ def softmax(s, visible):
     A row with nothing visible is all zeros.
     """
     visible = np.broadcast_to(np.asarray(visible, dtype=bool), s.shape)
-    rows, masks = s.reshape(-1, s.shape[-1]), visible.reshape(-1, s.shape[-1])
+    n = int(np.prod(s.shape[:-1], dtype=np.int64))
+    rows, masks = s.reshape(n, s.shape[-1]), visible.reshape(n, s.shape[-1])
     out = np.full(rows.shape, mp.zero, dtype=object)
     for r, (row, mask) in enumerate(zip(rows, masks)):
         exps = {l: mp.exp(row[l]) for l in np.flatnonzero(mask)}
@@ -35,6 +37,8 @@ def softmax(s, visible):
 
 def _gqa(scale, visible, q, k, v):
     """The body shared by causalGQA and slidingGQA; ``visible(s, l)`` is the mask of query s.
+
+    The logits are kept exact (exp of a rounded logit s would lose log2 |s| bits).
 
     .. code-block:: lean
 
@@ -52,7 +56,8 @@ def _gqa(scale, visible, q, k, v):
             mask = np.array([visible(s, l) for l in range(L)], dtype=bool)
             for g in range(G):
                 query = list(q[s, c, g])
-                logit = np.array([scale * dot(query, keys[l]) for l in range(L)], dtype=object)
+                logit = np.array([mp.make_mpf(mpf_mul(mpf(scale)._mpf_, dot(query, keys[l], rounded=False)._mpf_))
+                                  for l in range(L)], dtype=object)
                 p = list(softmax(logit, mask))
                 for d in range(D):
                     out[s, c, g, d] = dot(p, values[d])

@@ -24,11 +24,13 @@ def silu(x):
 def gelu_tanh(x):
     """``geluTanh x = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))``
 
+    Evaluated as x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3), the same real number
+    (1 + tanh u = 2 / (1 + exp(-2u))) without the cancellation of 1 + tanh u for x << 0.
     0.044715 is the real decimal constant of the definition, not its binary64 neighbour.
     """
     k = mp.sqrt(2 / mp.pi)
     a = mp.mpf("0.044715")
-    return elementwise(lambda t: t / 2 * (1 + mp.tanh(k * (t + a * t**3))), x)
+    return elementwise(lambda t: t / (1 + mp.exp(-2 * k * (t + a * t**3))), x)
 
 
 @oracle

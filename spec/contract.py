@@ -39,8 +39,8 @@ class OpContract:
     def arg_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.args)
 
-    def output_shape(self, *args) -> tuple[int, ...]:
-        """Check the argument shapes against the contract and return the result's shape."""
+    def bind(self, *args) -> tuple[dict[str, int], tuple[int, ...]]:
+        """Check the arguments against the contract; return the named dimensions and the row axes."""
         dims: dict[str, int] = {}
         batch: list[tuple[int, ...]] = []
         if len(args) != len(self.args):
@@ -52,7 +52,12 @@ class OpContract:
                 raise ValueError(f"{self.name}: {spec.name} must be >= 0")
         if self.name == "embed" and np.size(args[2]) and np.max(args[2]) >= np.shape(args[1])[0]:
             raise ValueError(f"embed: a token id is >= the vocabulary size {np.shape(args[1])[0]}")
-        return _build(self.out, dims, batch[0] if batch else ())
+        return dims, batch[0] if batch else ()
+
+    def output_shape(self, *args) -> tuple[int, ...]:
+        """Check the arguments against the contract and return the result's shape."""
+        dims, rows = self.bind(*args)
+        return _build(self.out, dims, rows)
 
 
 ARRAY_KINDS = ("float", "index", "mask")

@@ -64,6 +64,8 @@ def fmt(dtype) -> Format:
 
 def _round_scalar(x, f: Format) -> float:
     """Round one real (mpf, int or float) to the nearest value of format f, ties to even."""
+    if isinstance(x, float) and x == 0:
+        return x  # a float zero keeps its sign (mpf has no -0)
     x = mpf(x) if not isinstance(x, mpf) else x
     if x == 0:
         return 0.0
@@ -71,6 +73,10 @@ def _round_scalar(x, f: Format) -> float:
         return float(x)
     sign, man, exp, bc = x._mpf_  # |x| = man * 2^exp, man has bc bits
     e = exp + bc - 1  # floor(log2 |x|)
+    if e < f.emin - f.precision:  # below half the smallest subnormal: a signed zero
+        return -0.0 if sign else 0.0
+    if e > f.emax:
+        return -math.inf if sign else math.inf
     q = max(e, f.emin) - (f.precision - 1)  # exponent of one ULP at |x| (subnormals: fixed at emin)
     if exp >= q:
         n = man << (exp - q)
@@ -119,7 +125,8 @@ def ulp_distance(a, b, dtype=None) -> np.ndarray:
     a = np.asarray(a).astype(f.dtype)
     b = np.asarray(b).astype(f.dtype)
     a_nan, b_nan = np.isnan(a.astype(np.float64)), np.isnan(b.astype(np.float64))
-    d = np.abs(_ordinal(a, f) - _ordinal(b, f)).astype(np.float64)
+    # Python integers: float64 ordinals on opposite sides of zero differ by up to 2^64.
+    d = np.abs(_ordinal(a, f).astype(object) - _ordinal(b, f).astype(object)).astype(np.float64)
     d = np.where(a_nan | b_nan, np.inf, d)
     return np.where(a_nan & b_nan, 0.0, d)
 
@@ -133,5 +140,5 @@ def ulp(x, dtype) -> np.ndarray:
     f = fmt(dtype)
     mag = np.abs(np.asarray(x, dtype=np.float64))
     _, e = np.frexp(np.where(np.isfinite(mag), mag, f.max_finite))  # mag = m * 2^e, m in [0.5, 1)
-    e = np.clip(e - 1, f.emin, f.emax)
+    e = np.where(mag == 0, f.emin, np.clip(e - 1, f.emin, f.emax))
     return np.ldexp(1.0, e - (f.precision - 1))

@@ -36,6 +36,16 @@ def rope(theta, rot, denom, active, pos, x):
     half = rot // 2
     pos = np.asarray(pos, dtype=object)
     out = np.empty_like(x)
+    # The angle pos * w must be known to |a| 2^-p absolutely: guard bits for the size of pos.
+    guard = max((int(p).bit_length() for p in pos.ravel()), default=0) + 8
+    with mp.workprec(mp.prec + guard):
+        _rotate(theta, rot, denom, active, pos, x, out)
+    return out
+
+
+def _rotate(theta, rot, denom, active, pos, x, out):
+    D = x.shape[-1]
+    half = rot // 2
     for d in range(D):
         if d < half:
             a = pos * inv_freq(theta, denom, active, d)
@@ -46,7 +56,6 @@ def rope(theta, rot, denom, active, pos, x):
             out[..., d] = x[..., d] * elementwise(mp.cos, a) + x[..., d - half] * elementwise(mp.sin, a)
         else:
             out[..., d] = x[..., d]
-    return out
 
 
 @oracle
