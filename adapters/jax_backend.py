@@ -1,0 +1,250 @@
+"""The JAX backend: each op computed the way a Flax/MaxText Gemma computes it.
+
+* Elementwise ops (activations, softcap, residual, embedding scale, gates) run in the dtype under
+  test, with Python scalars weakly typed so they take that dtype.
+* Norms upcast to float32, normalise with ``rsqrt``, apply the weight in float32 and cast back.
+* RoPE builds inverse frequencies and angles in float32, casts cos/sin to the dtype and rotates in it.
+* Matmuls (linear, gate/up, LM head, both attention einsums) take dtype inputs and accumulate in
+  float32 (``preferred_element_type``), then cast to the dtype; softmax runs in the dtype.
+
+float64 replaces float32 in all of the above when it is the dtype under test.  Each op is one jitted
+computation, compiled per shape, dtype and static argument.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# Without x64, JAX silently turns float64 inputs into float32 (and int64 positions into int32), so
+# float64 could not be tested.  It also makes default dtypes 64-bit, hence explicit dtypes below.
+jax.config.update("jax_enable_x64", True)
+
+name = "jax"
+dtypes = ("float64", "float32", "bfloat16", "float16")
+
+_HIGHEST = lax.Precision.HIGHEST  # otherwise XLA may run float32 matmuls in reduced precision
+
+
+def _op(*static):
+    """Jit an op, with ``static`` the arguments that fix shapes or control flow, and return numpy.
+
+    Jitting the whole op compiles one program per new shape; eager dispatch compiles every primitive
+    separately and was about 3.5x slower on the many small shapes the suite draws.  Python scalars
+    are traced as weakly typed values, so they still take the dtype of the arrays they meet.
+    """
+
+    def wrap(fn):
+        jitted = jax.jit(fn, static_argnames=static)
+
+        @functools.wraps(fn)
+        def op(*args, **kwargs):
+            return np.asarray(jitted(*args, **kwargs))
+
+        return op
+
+    return wrap
+
+
+def _wide(dtype):
+    """The dtype for norms, angles and accumulation: float64 for float64, float32 otherwise."""
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+# Basic
+
+
+@_op()
+def sigmoid(x):
+    return jax.nn.sigmoid(x)
+
+
+@_op()
+def silu(x):
+    return jax.nn.silu(x)
+
+
+@_op()
+def gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _softcap(c, x):
+    return c * jnp.tanh(x / c)
+
+
+@_op()
+def softcap(c, x):
+    return _softcap(c, x)
+
+
+# Norm
+
+
+def _upcast(x):
+    return x.astype(_wide(x.dtype))
+
+
+def _mean_square(x):
+    return jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+
+
+def _normalize(eps, x):
+    """x / sqrt(mean(x^2) + eps) in the wide dtype."""
+    x = _upcast(x)
+    return x * lax.rsqrt(_mean_square(x) + eps)
+
+
+@_op()
+def rms(eps, x):
+    return jnp.sqrt(_mean_square(_upcast(x))[..., 0] + eps).astype(x.dtype)
+
+
+@_op()
+def rmsnorm(eps, x, w):
+    return (_normalize(eps, x) * _upcast(w)).astype(x.dtype)
+
+
+@_op()
+def rmsnorm_offset(eps, x, w):
+    return (_normalize(eps, x) * (1 + _upcast(w))).astype(x.dtype)
+
+
+@_op()
+def rmsnorm_unit(eps, x):
+    return _normalize(eps, x).astype(x.dtype)
+
+
+@_op()
+def rmsnorm_gated(eps, x, z, w):
+    return (_upcast(w) * _normalize(eps, x) * jax.nn.silu(_upcast(z))).astype(x.dtype)
+
+
+@_op()
+def l2norm(eps, x):
+    xf = _upcast(x)
+    return (xf * lax.rsqrt(jnp.sum(jnp.square(xf), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+# Rope
+
+
+def _inv_freq(theta, denom, active, i, wide):
+    freq = jnp.asarray(theta, wide) ** (-2 * i.astype(wide) / denom)
+    return jnp.where(i < active, freq, 0)
+
+
+@_op("dtype")
+def inv_freq(theta, denom, active, i, dtype):
+    dtype = jnp.dtype(dtype)
+    return _inv_freq(theta, denom, active, i, _wide(dtype)).astype(dtype)
+
+
+@_op("rot")
+def rope(theta, rot, denom, active, pos, x):
+    D, half = x.shape[-1], rot // 2
+    if 2 * half > D:  # the spec reads partners beyond the head as 0: pad, rotate, cut back to D
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 2 * half - D)])
+    wide = _wide(x.dtype)
+    angle = pos.astype(wide)[..., None] * _inv_freq(theta, denom, active, jnp.arange(half), wide)
+    cos, sin = jnp.cos(angle).astype(x.dtype), jnp.sin(angle).astype(x.dtype)
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)[..., :D]
+
+
+def rope_std(theta, rot, pos, x):
+    return rope(theta, rot, rot, rot // 2, pos, x)
+
+
+# Linear
+
+
+def _linear(W, x):
+    """x @ W.T with dtype inputs, accumulated in the wide dtype, cast back to the dtype."""
+    y = jnp.einsum("...k,nk->...n", x, W, precision=_HIGHEST, preferred_element_type=_wide(x.dtype))
+    return y.astype(x.dtype)
+
+
+@_op()
+def linear(W, x):
+    return _linear(W, x)
+
+
+@_op()
+def gate_up(Wg, Wu, x):
+    return jnp.concatenate([_linear(Wg, x), _linear(Wu, x)], axis=-1)
+
+
+@_op()
+def silu_mul(gu):
+    gate, up = jnp.split(gu, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+@_op()
+def gelu_mul(gu):
+    gate, up = jnp.split(gu, 2, axis=-1)
+    return jax.nn.gelu(gate, approximate=True) * up
+
+
+@_op()
+def residual(r, x, h):
+    return x + r * h
+
+
+@_op()
+def embed(c, E, tokens):
+    return c * E[tokens]
+
+
+@_op("cap")
+def lm_head(mul, cap, W, x):
+    logits = mul * _linear(W, x)
+    return logits if cap is None else _softcap(cap, logits)
+
+
+# Attention
+
+
+def _softmax(s, visible):
+    """Softmax over the last axis in the dtype of s; masked entries and empty rows are exactly 0."""
+    return jax.nn.softmax(s, axis=-1, where=visible)
+
+
+@_op()
+def softmax(s, visible):
+    return _softmax(s, visible)
+
+
+def _gqa(scale, visible, q, k, v):
+    """q [S,Hkv,G,D] against k, v [L,Hkv,D]; visible [S,L].  Query head c*G+g reads KV head c."""
+    wide = _wide(q.dtype)
+    logits = scale * jnp.einsum("scgd,lcd->scgl", q, k, precision=_HIGHEST, preferred_element_type=wide)
+    p = _softmax(logits.astype(q.dtype), visible[:, None, None, :])
+    out = jnp.einsum("scgl,lcd->scgd", p, v, precision=_HIGHEST, preferred_element_type=wide)
+    return out.astype(q.dtype)
+
+
+@_op()
+def causal_gqa(scale, pos, q, k, v):
+    p, l = pos[:, None], jnp.arange(k.shape[0])[None, :]
+    return _gqa(scale, l <= p, q, k, v)
+
+
+@_op()
+def sliding_gqa(scale, window, pos, q, k, v):
+    p, l = pos[:, None], jnp.arange(k.shape[0])[None, :]
+    return _gqa(scale, (l <= p) & (p < l + window), q, k, v)
+
+
+def decode_gqa(scale, q, k, v):
+    return causal_gqa(scale, np.array([np.shape(k)[0] - 1]), np.asarray(q)[None], k, v)[0]
+
+
+@_op()
+def sigmoid_gate(o, gate):
+    return o * jax.nn.sigmoid(gate)

@@ -1,0 +1,234 @@
+"""The reference backend: every op in plain numpy, as a float32 (or float64) engine would compute it.
+
+float64 inputs are computed in float64.  float32, float16 and bfloat16 inputs are widened exactly to
+float32, computed there, and the result is rounded once to the input dtype at the end of the op.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from spec import CONTRACT, fmt
+
+name = "numpy"
+dtypes = ("float64", "float32", "bfloat16", "float16")
+
+
+def _compute_dtype(dtype) -> np.dtype:
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _widen(value, kind: str, ct: np.dtype):
+    if kind == "float":
+        return np.asarray(value).astype(ct)
+    if kind == "real" or (kind == "cap" and value is not None):
+        return ct.type(value)
+    if kind == "mask":
+        return np.asarray(value, dtype=bool)
+    if kind == "index":
+        return np.asarray(value)
+    return value
+
+
+def _op(fn):
+    """Make ``fn`` an op of the contract: floating arrays and real scalars widened to the compute
+    dtype, the result rounded once to the dtype under test.  ``op.wide`` is ``fn`` itself, for ops
+    built from other ops without rounding in between.
+    """
+    kinds = [arg.kind for arg in CONTRACT[fn.__name__].args]
+
+    @functools.wraps(fn)
+    def op(*args):
+        dtype = next(np.asarray(a).dtype for a, kind in zip(args, kinds) if kind == "float")
+        ct = _compute_dtype(dtype)
+        return np.asarray(fn(*(_widen(a, kind, ct) for a, kind in zip(args, kinds)))).astype(dtype)
+
+    op.wide = fn
+    return op
+
+
+# Basic
+
+
+@_op
+def sigmoid(x):
+    e = np.exp(-np.abs(x))  # never overflows; 1/(1+e) for x >= 0, e/(1+e) for x < 0
+    return np.where(x >= 0, 1, e) / (1 + e)
+
+
+@_op
+def silu(x):
+    return x * sigmoid.wide(x)
+
+
+@_op
+def gelu_tanh(x):
+    k = x.dtype.type(math.sqrt(2 / math.pi))
+    a = x.dtype.type(0.044715)
+    with np.errstate(over="ignore"):  # x**3 overflows only where tanh has long saturated to +-1
+        return x / 2 * (1 + np.tanh(k * (x + a * x**3)))
+
+
+@_op
+def softcap(c, x):
+    return c * np.tanh(x / c)
+
+
+# Norm (over the last axis)
+
+
+@_op
+def rms(eps, x):
+    return np.sqrt(np.mean(x * x, axis=-1) + eps)
+
+
+@_op
+def rmsnorm(eps, x, w):
+    return x / rms.wide(eps, x)[..., None] * w
+
+
+@_op
+def rmsnorm_offset(eps, x, w):
+    return x / rms.wide(eps, x)[..., None] * (1 + w)
+
+
+@_op
+def rmsnorm_unit(eps, x):
+    return x / rms.wide(eps, x)[..., None]
+
+
+@_op
+def rmsnorm_gated(eps, x, z, w):
+    return w * (x / rms.wide(eps, x)[..., None]) * silu.wide(z)
+
+
+@_op
+def l2norm(eps, x):
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+# Rope
+
+
+def _inv_freq(theta, denom, active, i):
+    """theta^(-2i/denom) for i < active, else 0, in the dtype of the scalar ``theta``."""
+    ct = theta.dtype
+    exponent = (-2 * i).astype(ct) / ct.type(denom)
+    return np.where(i < active, theta**exponent, 0).astype(ct)
+
+
+def inv_freq(theta, denom, active, i, dtype):
+    dtype = fmt(dtype).dtype
+    return _inv_freq(_compute_dtype(dtype).type(theta), denom, active, np.asarray(i)).astype(dtype)
+
+
+@_op
+def rope(theta, rot, denom, active, pos, x):
+    half = rot // 2
+    D = x.shape[-1]
+    # Zero-pad when rot > D: Lean reads a rotation partner past the last coordinate as 0.
+    x = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, max(0, 2 * half - D))])
+    angle = pos[..., None].astype(x.dtype) * _inv_freq(theta, denom, active, np.arange(half))
+    cos, sin = np.cos(angle), np.sin(angle)
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    out = x.copy()  # coordinates from 2*half on pass through
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half : 2 * half] = x2 * cos + x1 * sin
+    return out[..., :D]
+
+
+@_op
+def rope_std(theta, rot, pos, x):
+    return rope.wide(theta, rot, rot, rot // 2, pos, x)
+
+
+# Linear
+
+
+@_op
+def linear(W, x):
+    return x @ W.T
+
+
+@_op
+def gate_up(Wg, Wu, x):
+    return np.concatenate([linear.wide(Wg, x), linear.wide(Wu, x)], axis=-1)
+
+
+@_op
+def silu_mul(gu):
+    gate, up = np.split(gu, 2, axis=-1)
+    return silu.wide(gate) * up
+
+
+@_op
+def gelu_mul(gu):
+    gate, up = np.split(gu, 2, axis=-1)
+    return gelu_tanh.wide(gate) * up
+
+
+@_op
+def residual(r, x, h):
+    return x + r * h
+
+
+@_op
+def embed(c, E, tokens):
+    return c * E[tokens]
+
+
+@_op
+def lm_head(mul, cap, W, x):
+    logits = mul * linear.wide(W, x)
+    return logits if cap is None else softcap.wide(cap, logits)
+
+
+# Attention
+
+
+@_op
+def softmax(s, visible):
+    m = np.max(s, axis=-1, keepdims=True, where=visible, initial=-np.inf)
+    # Masked entries may overflow exp(s - m), and a row with nothing visible has m = -inf;
+    # both are discarded by the where.
+    with np.errstate(over="ignore", invalid="ignore"):
+        e = np.where(visible, np.exp(s - m), 0)
+    total = np.sum(e, axis=-1, keepdims=True)
+    return e / np.where(total > 0, total, 1)
+
+
+def _gqa(scale, visible, q, k, v):
+    """``q [S, Hkv, G, D]``, ``k, v [L, Hkv, D]``, ``visible [S, L]``.
+
+    Query head c*G + g is q[:, c, g] and reads KV head c: the einsums share the index c between q and k, v.
+    """
+    logits = scale * np.einsum("scgd,lcd->scgl", q, k)
+    p = softmax.wide(logits, visible[:, None, None, :])
+    return np.einsum("scgl,lcd->scgd", p, v)
+
+
+@_op
+def causal_gqa(scale, pos, q, k, v):
+    l = np.arange(k.shape[0])
+    return _gqa(scale, l <= pos[:, None], q, k, v)
+
+
+@_op
+def sliding_gqa(scale, window, pos, q, k, v):
+    l = np.arange(k.shape[0])
+    p = pos[:, None]
+    return _gqa(scale, (l <= p) & (p < l + window), q, k, v)
+
+
+@_op
+def decode_gqa(scale, q, k, v):
+    L = k.shape[0]
+    return causal_gqa.wide(scale, np.array([L - 1]), q[None], k, v)[0]
+
+
+@_op
+def sigmoid_gate(o, gate):
+    return o * sigmoid.wide(gate)
