@@ -15,14 +15,15 @@ An op the adapter lacks is *unsupported*: the suite skips it and says so.  A mod
 (see ``numpy_backend.py``).
 
 ``load(spec)`` resolves, in order: a built-in name (``numpy``, ``torch``, ``jax``); a name registered
-by an installed package under the entry-point group ``gemma4_conformance.adapters``; or a
-``module:attribute`` path.  The object found may be the adapter itself, a class, or a factory, which
+by an installed package under the entry-point group ``gemma4_conformance.adapters``; or a module
+path, optionally ``module:attribute``.  The object found may be the adapter itself, a class, or a factory, which
 is called with no arguments.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 from importlib.metadata import entry_points
 
@@ -47,15 +48,21 @@ def _resolve(spec: str):
     found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
     if found:
         return found[0].load()
-    if ":" in spec:
-        module_name, _, attribute = spec.partition(":")
-        module = importlib.import_module(module_name)
-        obj = module
-        for part in attribute.split("."):
+    module_name, _, attribute = spec.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name.split(".")[0] and ":" in spec:
+            raise
+        known = sorted(BUILTINS) + sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+        raise AdapterError(f"unknown backend {spec!r}: not one of {known}, nor an importable "
+                           f"module or module:attribute path ({e})") from None
+    for part in filter(None, attribute.split(".")):
+        try:
             obj = getattr(obj, part)
-        return obj
-    known = sorted(BUILTINS) + sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
-    raise AdapterError(f"unknown backend {spec!r}: not one of {known}, and not a module:attribute path")
+        except AttributeError:
+            raise AdapterError(f"backend {spec!r}: module {module_name!r} has no attribute {attribute!r}") from None
+    return obj
 
 
 def load(spec: str):
@@ -82,14 +89,7 @@ def load(spec: str):
 
 def available_builtins() -> list[str]:
     """The built-in backends whose library is installed (what ``--backend=all`` runs)."""
-    names = []
-    for name in BUILTINS:
-        try:
-            importlib.import_module(name if name != "numpy" else "numpy")
-        except ImportError:
-            continue
-        names.append(name)
-    return names
+    return [name for name in BUILTINS if importlib.util.find_spec(name) is not None]
 
 
 assert set(DTYPES) == set(FORMATS)

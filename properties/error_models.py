@@ -1,0 +1,287 @@
+"""Each op's error model as two arrays per output element: the *scale* and the *flush* allowance.
+
+Scale S: the magnitude at which ULPs are counted; a budget of b ULPs means
+|computed - exact| <= b * ulp_D(S) + flush.  For an op without cancellation S is the exact result
+itself; where an implementation in finite precision cannot avoid cancelling (a sum with mixed signs,
+1 + tanh t near -1, a rotation, a softmax over large logits) S is the sum of the magnitudes the
+rounding errors scale with, so a budget holds for every input and is as sharp as the mathematics
+allows.
+
+Flush: a value below the smallest normal number (2^emin) may come out as zero, as flush-to-zero
+hardware does and as exp() overflowing in 1 / (1 + exp(-x)) does, and every factor applied after it
+scales that loss: x in x * sigmoid(x), c in c * tanh(x / c), the K terms of a dot product.  For a
+product of factors f_i computed in any order, every partial product is such an intermediate, and
+the loss is at most prod(1 + |f_i|) * 2^emin (``product_flush``).  Intermediates in the accumulation
+format flush at its own 2^emin.  The flush is 0 where the result must be exactly zero (masked
+entries, rows with nothing visible).
+
+Each function takes the op's arguments (floats widened to float64, which is exact), the exact result
+rounded to float64 (the model sizes a budget; it does not define correctness, so float64 is enough)
+and the dtype name.  The derivations are in tolerances.yaml.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from spec import fmt
+
+from .budget import ACCUMULATION, TAU, accumulation_ratio
+
+GELU_K = math.sqrt(2 / math.pi)
+
+
+def tiny(dtype) -> float:
+    """The smallest normal number of the dtype."""
+    return 2.0 ** fmt(dtype).emin
+
+
+def tiny_accumulated(dtype) -> float:
+    """The smallest normal number of the dtype's accumulation format."""
+    return tiny(ACCUMULATION[dtype])
+
+
+def product_flush(dtype, *factors):
+    """prod(1 + |f_i|) * 2^emin: the most a product computed in any order loses to flushed partials."""
+    out = tiny(dtype)
+    for f in factors:
+        out = out * (1 + np.abs(f))
+    return out
+
+
+def exact_magnitude(args, exact, dtype):
+    """|y|: ops whose roundings are all relative to the result; only the result may flush."""
+    return np.abs(exact), tiny(dtype)
+
+
+def silu(args, exact, dtype):
+    """|y|; sigmoid(x) may flush before the product with x."""
+    (x,) = args
+    return np.abs(exact), product_flush(dtype, x, 1.0)
+
+
+def _gelu_terms(x):
+    """|x|/2 (|1 + tanh t| + |tanh t| + |t| sech^2 t), t = k (x + 0.044715 x^3): rounding tanh t costs
+    u |tanh t| before 1 + tanh t cancels, and a relative error in t costs |t| sech^2(t) after it."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        t = GELU_K * (x + 0.044715 * x**3)
+        th = np.tanh(t)
+        small = np.abs(t) < 350
+        slope = np.where(small, np.abs(t) / np.cosh(np.where(small, t, 0.0)) ** 2, 0.0)
+    return np.abs(x) / 2 * (np.abs(1 + th) + np.abs(th) + slope)
+
+
+def gelu_tanh(args, exact, dtype):
+    (x,) = args
+    return _gelu_terms(x), product_flush(dtype, x, 1.0)
+
+
+def softcap(args, exact, dtype):
+    """|y|; x / c may flush before the product with c."""
+    c, x = args
+    return np.abs(exact), product_flush(dtype, c, x / c, 1.0)
+
+
+def _gate_up(gu):
+    half = gu.shape[-1] // 2
+    return gu[..., :half], gu[..., half:]
+
+
+def silu_mul(args, exact, dtype):
+    """|y|; sigmoid(gate) or silu(gate) may flush before the products with gate and up."""
+    gate, up = _gate_up(args[0])
+    return np.abs(exact), product_flush(dtype, gate, 1.0, up)
+
+
+def gelu_mul(args, exact, dtype):
+    gate, up = _gate_up(args[0])
+    return _gelu_terms(gate) * np.abs(up), product_flush(dtype, gate, 1.0, up)
+
+
+def sigmoid_gate(args, exact, dtype):
+    """|y|; sigmoid(gate) may flush before the product with o."""
+    o, gate = args
+    return np.abs(exact), product_flush(dtype, o, 1.0)
+
+
+def residual(args, exact, dtype):
+    """|x| + |r h|: the two terms of the sum; r h may flush."""
+    r, x, h = args
+    return np.abs(x) + np.abs(r * h), product_flush(dtype, r, h)
+
+
+def _normalisation(eps, x, mean=True):
+    """The normalised x and 1 / rms, in float64."""
+    total = np.mean(x * x, axis=-1, keepdims=True) if mean else np.sum(x * x, axis=-1, keepdims=True)
+    inverse = 1 / np.sqrt(total + eps)
+    return x * inverse, inverse
+
+
+def _norm(dtype, exact, x_hat, inverse, x, *factors):
+    """|y|; the norm is formed in the accumulation format (factors x, 1/rms and the weights) and the
+    normalised x may then be rounded to the dtype and multiplied there (factors x_hat and the weights)."""
+    flush = product_flush(dtype, x_hat, *factors) + product_flush(ACCUMULATION[dtype], x, inverse, *factors)
+    return np.abs(exact), flush
+
+
+def rms(args, exact, dtype):
+    return np.abs(exact), tiny(dtype)
+
+
+def rmsnorm(args, exact, dtype):
+    eps, x, w = args
+    return _norm(dtype, exact, *_normalisation(eps, x), x, w)
+
+
+def rmsnorm_offset(args, exact, dtype):
+    eps, x, w = args
+    return _norm(dtype, exact, *_normalisation(eps, x), x, 1 + np.abs(w))
+
+
+def rmsnorm_unit(args, exact, dtype):
+    eps, x = args
+    return _norm(dtype, exact, *_normalisation(eps, x), x)
+
+
+def rmsnorm_gated(args, exact, dtype):
+    """silu(z) = z sigmoid(z) adds the factors z and sigmoid(z) <= 1."""
+    eps, x, z, w = args
+    return _norm(dtype, exact, *_normalisation(eps, x), x, w, z, 1.0)
+
+
+def l2norm(args, exact, dtype):
+    eps, x = args
+    return _norm(dtype, exact, *_normalisation(eps, x, mean=False), x)
+
+
+def inner_products(args, exact, dtype):
+    """sum_k |x_k W_nk| for linear, and for gate_up over both weights (gamma_K bound of a dot
+    product); each of the K products may flush."""
+    *weights, x = args
+    dots = np.concatenate([np.abs(x) @ np.abs(W).T for W in weights], axis=-1)
+    flush = np.concatenate([(1 + np.abs(x)) @ (1 + np.abs(W)).T for W in weights], axis=-1)
+    return dots, tiny(dtype) + flush * tiny_accumulated(dtype)
+
+
+def lm_head(args, exact, dtype):
+    """|y| + |mul| slope sum_k |x_k W_vk|: an error d in the logit L moves y by at most |mul| d times
+    the largest slope sech^2(mul l / cap) for l within d of L (the cap flattens the error, until the
+    logit's own uncertainty reaches the steep part).  d bounds the accumulation, the rounding of L and
+    of mul L, and the float64 logit computed here."""
+    mul, cap, W, x = args
+    K = x.shape[-1]
+    dots = np.abs(x) @ np.abs(W).T
+    flush = tiny(dtype) * (1 + abs(mul)) * (2 + (abs(cap) if cap is not None else 0.0)) + \
+        abs(mul) * ((1 + np.abs(x)) @ (1 + np.abs(W)).T) * tiny_accumulated(dtype)
+    if cap is None:
+        return np.abs(mul) * dots, flush
+    u, u_acc = fmt(dtype).eps, fmt(ACCUMULATION[dtype]).eps
+    uncertainty = (K * u_acc + 2 * u + K * 2.0**-52) * dots
+    nearest = np.maximum(np.abs(x @ W.T) - uncertainty, 0.0)
+    slope = 1 / np.cosh(np.minimum(abs(mul) * nearest / cap, 350)) ** 2
+    return np.abs(exact) + np.abs(mul) * slope * dots, flush
+
+
+def rope(args, exact, dtype):
+    """r (1 + ratio |a| (2 + TAU + |ln w|)) per rotated coordinate, r the pair's norm, a = pos w its angle.
+
+    The angle is computed in the accumulation format A: 2i/denom and the product round once each (2),
+    the power errs by up to TAU, and rounding 2i/denom moves w by |ln w| relatively.  An angle error da moves the output
+    by at most r da; ratio = u_A / u_D counts it in ULPs of D.  Pass-through coordinates scale with |x|.
+    """
+    *head, pos, x = args
+    theta, rot, denom, active = head if len(head) == 4 else (head[0], head[1], head[1], head[1] // 2)
+    half = rot // 2
+    D = x.shape[-1]
+    scale = np.abs(x).copy()
+    ratio = accumulation_ratio(dtype)
+    for i in range(min(half, D)):
+        j = i + half
+        w = theta ** (-(2 * i / denom)) if i < active else 0.0
+        angle = np.abs(np.asarray(pos, dtype=np.float64) * w)
+        angle_error = ratio * angle * (2 + TAU + (abs(math.log(w)) if w else 0.0))
+        partner = x[..., j] if j < D else 0.0
+        r = np.hypot(x[..., i], partner) * (1 + angle_error)
+        scale[..., i] = r
+        if j < D:
+            scale[..., j] = r
+    return scale, product_flush(dtype, scale, 1.0) * 2
+
+
+def inv_freq(args, exact, dtype):
+    """|w| (1 + ratio (2 + |ln w|)): w is computed in the accumulation format, where 2i/denom and a
+    reciprocal round once each and rounding 2i/denom moves w by |ln w| relatively; the power's own
+    error is the budget's fn."""
+    w = np.abs(exact)
+    with np.errstate(divide="ignore"):
+        log_w = np.where(w > 0, np.abs(np.log(np.where(w > 0, w, 1.0))), 0.0)
+    return w * (1 + accumulation_ratio(dtype) * (2 + log_w)), tiny(dtype)
+
+
+def _masked_softmax(logits, visible):
+    """Softmax over the visible entries in float64, its shifted logits z = s - max, zeros elsewhere."""
+    masked = np.where(visible, logits, -np.inf)
+    top = np.max(masked, axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    z = np.where(visible, logits - top, 0.0)
+    e = np.where(visible, np.exp(z), 0.0)
+    total = e.sum(axis=-1, keepdims=True)
+    p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    return p, z
+
+
+def softmax(args, exact, dtype):
+    """p_l (1 + |z_l| + sum_j p_j |z_j|): exp(z) turns an absolute error in z into a relative one,
+    and the normalising sum spreads every term's error over the row.  Masked entries must be exactly 0."""
+    s, visible = args
+    visible = np.broadcast_to(np.asarray(visible, dtype=bool), s.shape)
+    p, z = _masked_softmax(s, visible)
+    scale = p * (1 + np.abs(z) + np.sum(p * np.abs(z), axis=-1, keepdims=True))
+    return np.where(visible, scale, 0.0), np.where(visible, 2 * tiny(dtype), 0.0)
+
+
+def _attention(scale, visible, q, k, v, dtype):
+    """sum_l p_l |v_l| w_l + (sum_l p_l |v_l|)(sum_j p_j w_j), w_l = 1 + |z_l| + a_l.
+
+    a_l = |scale| sum_e |q_e k_le| bounds a logit's rounding errors (its accumulation and its rounding
+    to D), z_l = s_l - max its exponent; an error in p_l's weight is relative, and the normalisation
+    passes each weight's error to all.  visible is [S, L].  The weights p_l and the products p_l v_l
+    may flush: 2^emin times the sum over visible keys of 2 (1 + |v_l|).
+
+    A weight's relative error e^d - 1, for a logit-error bound d, is at most d e^|d|: the first-order
+    scale is multiplied by e^(2 d_max), d_max = u_D (3 + ratio (TAU + D)) max_l w_l over the row (two
+    logits' errors meet in each ratio p_l / p_m).  The case strategies keep d_max small, where the
+    factor is near 1; beyond it the budget widens as the mathematics says it must.
+    """
+    logits = scale * np.einsum("scge,lce->scgl", q, k)
+    magnitudes = abs(scale) * np.einsum("scge,lce->scgl", np.abs(q), np.abs(k))
+    mask = visible[:, None, None, :]
+    p, z = _masked_softmax(logits, mask)
+    weight = np.where(mask, 1 + np.abs(z) + magnitudes, 0.0)
+    pv = np.einsum("scgl,lcd->scgd", p, np.abs(v))
+    pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v))
+    d_max = fmt(dtype).eps * (3 + accumulation_ratio(dtype) * (TAU + q.shape[-1])) * np.max(weight, axis=-1)
+    growth = np.exp(np.minimum(2 * d_max, 700))[..., None]
+    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + np.abs(v))[:, :, None, :]
+    first_order = pwv + pv * np.sum(p * weight, axis=-1)[..., None]
+    return first_order * growth, np.broadcast_to(flush, pwv.shape)
+
+
+def causal_gqa(args, exact, dtype):
+    scale, pos, q, k, v = args
+    keys = np.arange(k.shape[0])
+    return _attention(scale, keys[None, :] <= np.asarray(pos)[:, None], q, k, v, dtype)
+
+
+def sliding_gqa(args, exact, dtype):
+    scale, window, pos, q, k, v = args
+    keys, pos = np.arange(k.shape[0])[None, :], np.asarray(pos)[:, None]
+    return _attention(scale, (keys <= pos) & (pos < keys + window), q, k, v, dtype)
+
+
+def decode_gqa(args, exact, dtype):
+    scale, q, k, v = args
+    scale_, flush = _attention(scale, np.ones((1, k.shape[0]), dtype=bool), q[None], k, v, dtype)
+    return scale_[0], flush[0]

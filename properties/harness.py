@@ -1,0 +1,146 @@
+"""Running one example: call the backend under the contract's checks, then judge it against the oracle."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpmath import mpf
+
+from spec.exact import widen
+from spec import CONTRACT, fmt, round_to, ulp
+
+from .budget import budget
+from .strategies import build
+from .table import OPS
+
+
+class Unsupported(Exception):
+    """The adapter does not implement the op (a skip, listed in the report, never an error)."""
+
+
+class ContractViolation(AssertionError):
+    """The adapter raised, or returned something other than the contract's array."""
+
+
+def call(adapter, op: str, args: tuple, dtype: str) -> np.ndarray:
+    """The adapter's result for ``op`` on ``args``, checked for type, dtype and shape.
+
+    The adapter gets copies, so an adapter that writes into its inputs cannot change what the
+    oracle sees.
+    """
+    fn = getattr(adapter, op, None)
+    if fn is None:
+        raise Unsupported(f"{adapter.name} does not implement {op}")
+    where = f"{adapter.name}.{op} in {dtype}"
+    kwargs = {"dtype": dtype} if op == "inv_freq" else {}
+    try:
+        out = fn(*(a.copy() if isinstance(a, np.ndarray) else a for a in args), **kwargs)
+    except Exception as e:
+        raise ContractViolation(f"{where} raised {type(e).__name__}: {e}") from e
+    if not isinstance(out, np.ndarray):
+        raise ContractViolation(f"{where} returned {type(out).__name__}, not a numpy array")
+    want_dtype = fmt(dtype).dtype
+    if out.dtype != want_dtype:
+        raise ContractViolation(f"{where} returned dtype {out.dtype}, expected {want_dtype}")
+    want_shape = CONTRACT[op].output_shape(*args)
+    if out.shape != want_shape:
+        raise ContractViolation(f"{where} returned shape {out.shape}, expected {want_shape}")
+    return out
+
+
+def _widened(args):
+    """Floating arrays in float64 (exact), for the error model's scale."""
+    return tuple(widen(a) for a in args)
+
+
+@dataclass
+class Verdict:
+    """One example's outcome: its largest error in ULPs at the op's scale, against its budget."""
+
+    op: str
+    dtype: str
+    budget: float
+    errors: np.ndarray  # ULPs at the scale, per checked coordinate
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def max_error(self) -> float:
+        return float(np.max(self.errors)) if self.errors.size else 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def judge(adapter, op: str, case: dict, dtype: str, seed: int = 0) -> Verdict:
+    """Run ``case`` on the backend and compare a sample of its output with the oracle."""
+    args = build(op, case, dtype)
+    out = call(adapter, op, args, dtype)
+    entry = OPS[op]
+    sub_args, index = entry.sample(op, args, np.random.default_rng(seed))
+    got = np.asarray(out[index])
+    exact = np.asarray(entry.oracle(*sub_args), dtype=object).reshape(got.shape)
+    exact64 = round_to(exact, "float64")
+    expected = round_to(exact, dtype).astype(np.float64)
+    scale, flush = entry.scale(_widened(sub_args), exact64, dtype)
+    scale = np.broadcast_to(scale, got.shape)
+    flush = np.broadcast_to(flush, got.shape)
+
+    dims, _ = CONTRACT[op].bind(*sub_args)
+    b = budget(op, dtype)
+    allowed = b.ulps(**dims, **entry.quantities(sub_args))
+
+    got64 = got.astype(np.float64)
+    finite = np.isfinite(got64)
+    error = np.zeros(got.shape)
+    flat_err, flat_exact, flat_got = error.reshape(-1), exact.reshape(-1), got64.reshape(-1)
+    for i in np.flatnonzero(finite.reshape(-1)):
+        flat_err[i] = abs(float(mpf(float(flat_got[i])) - flat_exact[i]))
+    # ULPs at the scale, with the flush allowance folded into the unit: error <= budget * unit.
+    unit = ulp(scale, dtype) + flush / allowed
+    ulps = np.where(finite, error / unit, np.inf)
+    # A result that rounds to +-inf in the dtype (overflow) is right when the backend gives that inf.
+    ulps = np.where(np.isinf(got64) & (got64 == expected), 0.0, ulps)
+
+    failures = []
+    nan = np.isnan(out.astype(np.float64))
+    if nan.any():
+        failures.append(f"NaN in the output at {_first(nan)} where the exact result is finite")
+    overflow = np.isinf(got64) & np.isfinite(expected)
+    if overflow.any():
+        failures.append(f"inf at {_coords(index, overflow)} where the exact result rounds to "
+                        f"{expected[overflow][0]!r} in {dtype}")
+    zero_scale = (scale == 0) & (flush == 0) & finite & (error != 0)
+    if zero_scale.any():
+        failures.append(f"{got64[zero_scale][0]!r} at {_coords(index, zero_scale)} where the exact result is 0 "
+                        f"(a masked or exactly-zero output must be exactly 0)")
+    over = finite & (ulps > allowed) & ~zero_scale
+    if over.any():
+        worst = np.unravel_index(np.argmax(np.where(over, ulps, -1)), ulps.shape)
+        failures.append(
+            f"error {ulps[worst]:.4g} ULPs at the op's scale > budget {allowed:.4g} ({b.formula}) at "
+            f"{_coords(index, worst)}: got {got64[worst]!r}, exact {float(exact64[worst])!r} "
+            f"(correctly rounded {expected[worst]!r}), scale {float(scale[worst]):.6g}")
+    finite_ulps = ulps[np.isfinite(ulps)]
+    return Verdict(op, dtype, allowed, finite_ulps.ravel(), failures)
+
+
+def _first(mask: np.ndarray):
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+def _coords(index, where) -> str:
+    """The coordinate of the backend's output that a sampled position refers to."""
+    position = where if isinstance(where, tuple) else _first(where)
+    position = tuple(int(i) for i in position)
+    if len(index) == 0 or index[0] is Ellipsis:
+        return str(position)
+    grids = np.broadcast_arrays(*index)
+    k = grids[0].ndim
+    return str(tuple(int(g[position[:k]]) for g in grids) + position[k:])
+
+
+def case_json(case: dict) -> str:
+    return json.dumps(case, separators=(",", ":"))

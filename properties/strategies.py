@@ -1,0 +1,299 @@
+"""Hypothesis strategies: each op's examples as a small JSON-able *case*, and its arguments built from it.
+
+A case holds shapes, scalars, positions and a description of every floating array (distribution,
+binade, seed) instead of the values themselves, so Hypothesis draws and shrinks cheaply at any size,
+a failure prints in a few lines, and ``--case '<json>'`` rebuilds exactly the same inputs.  Values are
+drawn in float64 and rounded to the dtype under test; oracle and backend both see the rounded values.
+
+What is drawn is what breaks engines: +-0, subnormals and huge magnitudes, cancellation, large
+logits, masked and fully masked rows, odd lengths, GQA ratios 1..16, head dims up to 512, windows
+from 1 to beyond L, positions up to 262144, partial and proportional RoPE, eps from 1e-12 to 1e-1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import strategies as st
+
+from spec import CONTRACT, fmt
+
+MAX_POSITION = 262144
+
+# The binades each dtype's inputs are drawn from: wide, but with room for the op's own arithmetic
+# (products, squares and sums of a few thousand terms) to stay finite in the dtype.
+LOG2_RANGE = {"float64": (-40, 40), "float32": (-30, 30), "bfloat16": (-30, 30), "float16": (-8, 4)}
+
+DISTRIBUTIONS = ("normal", "uniform", "positive", "wide", "specials", "integers")
+
+
+def _log2(dtype, lo=None, hi=None):
+    low, high = LOG2_RANGE[dtype]
+    return st.integers(max(low, lo) if lo is not None else low, min(high, hi) if hi is not None else high)
+
+
+def floats(shape, dtype, lo=None, hi=None, distributions=DISTRIBUTIONS):
+    """An array description: shape, distribution, binade (values about 2^log2) and seed."""
+    return st.fixed_dictionaries({
+        "shape": st.just(list(shape)),
+        "dist": st.sampled_from(distributions),
+        "log2": _log2(dtype, lo, hi),
+        "seed": st.integers(0, 2**32 - 1),
+    })
+
+
+def _specials(f):
+    """Values that break engines: +-0, the smallest subnormal and normal, +-1, and a large value
+    2^(emax/4), whose square (in a norm, a dot product) still fits the accumulation format with room
+    for thousands of terms.  Beyond that a plain float32 accumulation overflows, which is outside the
+    domain the budgets speak for."""
+    return np.array([0.0, -0.0, f.smallest_subnormal, -f.smallest_subnormal, math.ldexp(1, f.emin),
+                     -math.ldexp(1, f.emin), 1.0, -1.0, 2.0 ** (f.emax // 4)])
+
+
+def realize(desc, dtype) -> np.ndarray:
+    """The array a description stands for, rounded to ``dtype``."""
+    f = fmt(dtype)
+    rng = np.random.default_rng(desc["seed"])
+    shape, scale = tuple(desc["shape"]), 2.0 ** desc["log2"]
+    dist = desc["dist"]
+    if dist == "normal":
+        x = rng.standard_normal(shape) * scale
+    elif dist == "uniform":
+        x = rng.uniform(-1, 1, shape) * scale
+    elif dist == "positive":  # one-signed: sums grow with their length, exposing narrow accumulators
+        x = rng.uniform(0.5, 1.5, shape) * scale
+    elif dist == "wide":  # magnitudes spread over 16 binades around the scale
+        x = rng.choice([-1.0, 1.0], shape) * scale * 2.0 ** rng.uniform(-8, 8, shape)
+    elif dist == "specials":  # mostly normal, a fifth of the entries special values
+        x = rng.standard_normal(shape) * scale
+        pick = rng.random(shape) < 0.2
+        x[pick] = rng.choice(_specials(f), int(pick.sum()))
+    elif dist == "integers":  # small integers times a power of two: exact arithmetic, ties
+        x = rng.integers(-8, 9, shape) * scale
+    else:
+        raise ValueError(f"unknown distribution {dist!r}")
+    limit = f.max_finite / 4
+    return np.clip(x, -limit, limit).astype(f.dtype)
+
+
+def mask(shape, seed, pattern) -> np.ndarray:
+    """A visibility mask [..., L]: all, none, a prefix per row, one key per row, or random."""
+    rng = np.random.default_rng(seed)
+    L = shape[-1]
+    if pattern == "all":
+        return np.ones(shape, dtype=bool)
+    if pattern == "none":
+        return np.zeros(shape, dtype=bool)
+    keys = np.arange(L)
+    if pattern == "prefix":
+        return keys < rng.integers(0, L + 1, shape[:-1])[..., None]
+    if pattern == "single":
+        return keys == rng.integers(0, L, shape[:-1])[..., None]
+    return rng.random(shape) < rng.uniform(0.05, 0.95)
+
+
+# Shapes --------------------------------------------------------------------------------------------
+
+rows = st.lists(st.integers(1, 5), min_size=0, max_size=2)  # leading (row) axes, possibly none
+features = st.sampled_from([1, 2, 3, 7, 8, 16, 64, 255, 256, 512, 1024, 3840])
+head_dims = st.sampled_from([1, 2, 4, 8, 16, 64, 128, 256, 512])
+gqa = st.sampled_from([(1, 1), (1, 2), (2, 2), (2, 4), (1, 16), (2, 8), (4, 4), (8, 2), (16, 1), (1, 3)])
+eps = st.sampled_from([1e-12, 1e-6, 1e-5, 1e-3, 1e-1]) | st.floats(1e-12, 1e-1)
+thetas = st.sampled_from([1e4, 1e6, 5e5, 10000.0, 500.0])
+positions = st.one_of(st.integers(0, 16), st.integers(0, 4096), st.integers(0, MAX_POSITION),
+                      st.sampled_from([0, 1, 1023, 1024, 8191, 65535, MAX_POSITION - 1, MAX_POSITION]))
+
+
+def _one(v):
+    return st.just(v)
+
+
+@st.composite
+def _elementwise(draw, dtype, op):
+    shape = draw(rows) + [draw(st.integers(1, 64))]
+    if op in ("silu_mul", "gelu_mul"):
+        shape[-1] *= 2
+    names = [a.name for a in CONTRACT[op].args if a.kind == "float"]
+    args = {n: draw(floats(shape, dtype, lo=-20, hi=8)) for n in names}
+    if op == "softcap":
+        args["c"] = draw(st.sampled_from([30.0, 50.0, 1.0, 0.5]) | st.floats(0.25, 100.0))
+    return {"args": args}
+
+
+@st.composite
+def _norm(draw, dtype, op):
+    shape = draw(rows) + [draw(features)]
+    spec = CONTRACT[op]
+    args = {"eps": draw(eps)}
+    for a in spec.args:
+        if a.kind != "float":
+            continue
+        if a.name == "w":
+            args["w"] = draw(floats([shape[-1]], dtype, lo=-4, hi=2))
+        elif a.name == "z":
+            args["z"] = draw(floats(shape, dtype, lo=-6, hi=4))
+        else:  # from far below sqrt(eps) (eps dominates) to large
+            args["x"] = draw(floats(shape, dtype, lo=-24, hi=12))
+    return {"args": args}
+
+
+@st.composite
+def _rope_geometry(draw):
+    D = draw(st.sampled_from([2, 4, 6, 8, 16, 64, 128, 256, 512]))
+    rot = draw(st.sampled_from(sorted({D, max(2, D // 2), max(2, D // 4)})))
+    denom = draw(st.sampled_from(sorted({rot, D, 2 * rot})))
+    active = draw(st.integers(0, rot // 2))
+    return D, rot, denom, active
+
+
+@st.composite
+def _rope(draw, dtype, op):
+    D, rot, denom, active = draw(_rope_geometry())
+    n_rows = draw(st.integers(1, 6))
+    pos = draw(st.lists(positions, min_size=n_rows, max_size=n_rows))
+    x = draw(floats([n_rows, D], dtype, lo=-8, hi=4, distributions=("normal", "uniform", "specials")))
+    if op == "rope_std":
+        return {"args": {"theta": draw(thetas), "rot": rot, "pos": pos, "x": x}}
+    return {"args": {"theta": draw(thetas), "rot": rot, "denom": denom, "active": active, "pos": pos, "x": x}}
+
+
+@st.composite
+def _inv_freq(draw, dtype, op):
+    D, rot, denom, active = draw(_rope_geometry())
+    return {"args": {"theta": draw(thetas), "denom": denom, "active": active,
+                     "i": list(range(draw(st.integers(1, rot // 2 + 2))))}}
+
+
+def _dot_floats(dtype, shape):
+    # Inputs to a length-K dot product: float16 must keep K |x W| below its maximum of 65504.
+    return floats(shape, dtype, lo=-12, hi=(2 if dtype == "float16" else 12))
+
+
+@st.composite
+def _linear(draw, dtype, op):
+    K = draw(features)
+    N = draw(st.sampled_from([1, 3, 8, 33, 64]))
+    x_shape = draw(rows) + [K]
+    args = {"x": draw(_dot_floats(dtype, x_shape))}
+    if op == "gate_up":
+        args["Wg"] = draw(_dot_floats(dtype, [N, K]))
+        args["Wu"] = draw(_dot_floats(dtype, [N, K]))
+    else:
+        args["W"] = draw(_dot_floats(dtype, [N, K]))
+    if op == "lm_head":
+        args["mul"] = draw(st.sampled_from([1.0, 0.5, 2.0]) | st.floats(0.01, 4.0))
+        args["cap"] = draw(st.sampled_from([None, 30.0, 50.0]) | st.floats(1.0, 60.0))
+    # Cancellation: the second half of each row of x repeats the first, and W's second half is the
+    # negation of its first plus a relative perturbation of 2^-cancel, so x.W is tiny next to |x||W|.
+    return {"args": args, "cancel": draw(st.none() | st.integers(2, 30)) if K % 2 == 0 else None}
+
+
+@st.composite
+def _residual(draw, dtype, op):
+    shape = draw(rows) + [draw(st.integers(1, 64))]
+    return {"args": {"r": draw(st.sampled_from([1.0, 0.5, -1.0]) | st.floats(0.125, 4) | st.floats(-4, -0.125)),
+                     "x": draw(floats(shape, dtype, lo=-20, hi=8)), "h": draw(floats(shape, dtype, lo=-20, hi=8))},
+            "cancel": draw(st.booleans())}
+
+
+@st.composite
+def _embed(draw, dtype, op):
+    V, H = draw(st.integers(1, 50)), draw(st.sampled_from([1, 8, 64, 256]))
+    tokens = draw(st.lists(st.integers(0, V - 1), min_size=1, max_size=8))
+    return {"args": {"c": draw(st.sampled_from([math.sqrt(3840), 62.0, 1.0]) | st.floats(0.1, 100.0)),
+                     "E": draw(floats([V, H], dtype, lo=-12, hi=4)), "tokens": tokens}}
+
+
+@st.composite
+def _softmax(draw, dtype, op):
+    L = draw(st.sampled_from([1, 2, 7, 64, 257, 1000, 4096]))
+    shape = draw(rows) + [L]
+    # Logits of a few units to tens of thousands: the latter overflow exp() without the max shift.
+    hi = 13 if dtype == "float16" else 16
+    s = draw(floats(shape, dtype, lo=-4, hi=hi, distributions=("normal", "uniform", "integers", "wide")))
+    return {"args": {"s": s, "visible": {"pattern": draw(st.sampled_from(["all", "prefix", "random", "single", "none"])),
+                                         "seed": draw(st.integers(0, 2**32 - 1))}},
+            "offset": draw(st.sampled_from([0.0, 100.0, -100.0, 1e4]))}
+
+
+@st.composite
+def _attention(draw, dtype, op):
+    Hkv, G = draw(gqa)
+    D = draw(head_dims)
+    # Short caches, or long ones (narrow accumulators show there) with head sizes the oracle affords.
+    L = draw(st.integers(1, 70) | st.sampled_from([255, 256, 513, 1024]))
+    while L * D * G > 2**17 and D > 1:
+        D //= 2
+    # scale 0 makes every visible key equally likely: long one-signed sums, where narrow accumulators fail
+    args = {"scale": draw(st.sampled_from([1.0, 1 / math.sqrt(D), 0.125, 0.0]) | st.floats(0.01, 2.0))}
+    if op == "decode_gqa":
+        q_shape = [Hkv, G, D]
+    else:
+        S = draw(st.integers(1, min(L, 8)))
+        # prefill of the last S tokens, or any positions (sorted, as a batch of queries would be)
+        if draw(st.booleans()):
+            pos = list(range(L - S, L))
+        else:
+            pos = sorted(draw(st.lists(st.integers(0, L - 1), min_size=S, max_size=S)))
+        args["pos"] = pos
+        q_shape = [S, Hkv, G, D]
+        if op == "sliding_gqa":
+            args["window"] = draw(st.integers(1, L + 3))
+    # q and k of 2^qk per coordinate: logits from fractions of a unit to tens, never so large that
+    # their rounding in the dtype (u |logit|) exceeds about 1/16, where attention is well posed.
+    limit = math.floor(math.log2(1 / (16 * fmt(dtype).eps * max(args["scale"], 2.0**-20) * D)) / 2)
+    qk = draw(st.integers(min(-6, limit), min(4, limit)))
+    smooth = ("normal", "uniform", "positive", "integers")
+    args["q"] = draw(floats(q_shape, dtype, lo=qk, hi=qk, distributions=smooth))
+    args["k"] = draw(floats([L, Hkv, D], dtype, lo=qk, hi=qk, distributions=smooth))
+    args["v"] = draw(floats([L, Hkv, D], dtype, lo=-8, hi=4))
+    return {"args": args}
+
+
+CASES = {
+    "sigmoid": _elementwise, "silu": _elementwise, "gelu_tanh": _elementwise, "softcap": _elementwise,
+    "silu_mul": _elementwise, "gelu_mul": _elementwise, "sigmoid_gate": _elementwise,
+    "rms": _norm, "rmsnorm": _norm, "rmsnorm_offset": _norm, "rmsnorm_unit": _norm, "rmsnorm_gated": _norm,
+    "l2norm": _norm,
+    "inv_freq": _inv_freq, "rope": _rope, "rope_std": _rope,
+    "linear": _linear, "gate_up": _linear, "lm_head": _linear,
+    "residual": _residual, "embed": _embed, "softmax": _softmax,
+    "causal_gqa": _attention, "sliding_gqa": _attention, "decode_gqa": _attention,
+}
+
+
+def cases(op: str, dtype: str):
+    """The Hypothesis strategy of ``op``'s cases in ``dtype``."""
+    return CASES[op](dtype, op)
+
+
+def build(op: str, case: dict, dtype: str) -> tuple:
+    """The op's arguments in Lean order, floating arrays in ``dtype``, from a case."""
+    spec = CONTRACT[op]
+    f = fmt(dtype)
+    values = {}
+    for a in spec.args:
+        v = case["args"][a.name]
+        if a.kind == "float":
+            v = realize(v, dtype)
+        elif a.kind == "index":
+            v = np.asarray(v, dtype=np.int64)
+        elif a.kind == "mask":
+            v = mask(np.shape(values["s"]), v["seed"], v["pattern"])
+        values[a.name] = v
+    if case.get("cancel") and op in ("linear", "gate_up", "lm_head"):
+        K = values["x"].shape[-1]
+        values["x"][..., K // 2:] = values["x"][..., : K // 2]
+        for name in ("W", "Wg", "Wu"):
+            if name in values:
+                W = values[name].astype(np.float64)
+                W[:, K // 2:] = -W[:, : K // 2] * (1 + 2.0 ** -case["cancel"])
+                values[name] = W.astype(f.dtype)
+    if case.get("cancel") and op == "residual":
+        x = values["x"].astype(np.float64)
+        values["h"] = (-x / values["r"] if values["r"] else x).astype(f.dtype)
+    if case.get("offset") and op == "softmax":
+        values["s"] = (values["s"].astype(np.float64) + case["offset"]).astype(f.dtype)
+    return tuple(values[a.name] for a in spec.args)

@@ -1,0 +1,51 @@
+"""Oracle agreement: every op of the backend, in every dtype, within its budget of the exact result."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from hypothesis import given, target
+from hypothesis import strategies as st
+
+from .harness import ContractViolation, Unsupported, case_json, judge
+from .strategies import cases
+
+
+def _rerun(request, backend: str, case: dict) -> str:
+    return (f"pytest {shlex.quote(request.node.nodeid)} --backend={shlex.quote(backend)} "
+            f"--case={shlex.quote(case_json(case))}")
+
+
+def check(request, backend, adapter, dtype, op, case):
+    """Judge one case, record it, and fail with the evidence and the command that reruns it."""
+    record = request.config.conformance_recorder(adapter.name, dtype, op)
+    command = _rerun(request, backend, case)
+    try:
+        verdict = judge(adapter, op, case, dtype)
+    except Unsupported as e:
+        record.outcome = "unsupported"
+        pytest.skip(str(e))
+    except ContractViolation as e:
+        record.outcome, record.message = "errored", str(e)
+        raise ContractViolation(f"{e}\n  rerun: {command}") from None
+    record.add(verdict.max_error, verdict.budget, case, command)
+    if request.config.conformance_case is None:
+        target(verdict.max_error / verdict.budget, label="error / budget")  # search towards the budget's edge
+    if not verdict.passed:
+        record.outcome, record.message = "failed", verdict.failures[0]
+        pytest.fail("\n".join(verdict.failures) + f"\n  rerun: {command}", pytrace=False)
+
+
+def test_matches_oracle(request, backend, adapter, dtype, op):
+    case = request.config.conformance_case
+    if case is not None:
+        check(request, backend, adapter, dtype, op, case)
+    else:
+        @given(st.data())
+        def examples(data):
+            check(request, backend, adapter, dtype, op, data.draw(cases(op, dtype), label="case"))
+
+        examples()
+    record = request.config.conformance_recorder(adapter.name, dtype, op)
+    record.outcome = "passed"

@@ -1,0 +1,135 @@
+"""The suite catches wrong backends: every op has realistic mutants, each of which some drawn example
+must fail, and adapters that break the contract (raise, wrong shape, wrong dtype) are reported as such.
+
+A mutant is run in the dtype where its bug is a real bug: bf16 accumulation only matters in bf16, an
+erf GELU differs from the tanh one by about 1e-3 relatively, which only float32 resolves.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings, target
+
+from adapters import numpy_backend
+from properties.harness import ContractViolation, case_json, judge
+from properties.strategies import cases
+from spec import OP_NAMES
+from tests import mutants as m
+
+# Examples drawn per mutant at most; a mutant is usually caught within a few, and the search stops there.
+MAX_EXAMPLES = 100
+
+MUTANTS = [  # (op, dtype, mutant)
+    ("sigmoid", "float32", m.sigmoid_tanh_form_without_half_angle),
+    ("sigmoid", "bfloat16", m.sigmoid_tanh_form_sign_flipped),
+    ("silu", "float32", m.silu_as_quick_gelu),
+    ("gelu_tanh", "float32", m.gelu_tanh_as_erf_gelu),
+    ("softcap", "float32", m.softcap_outer_multiply_missing),
+    ("rms", "float32", m.rms_eps_missing),
+    ("rms", "bfloat16", m.rms_bf16_accumulation),
+    ("rmsnorm", "float32", m.rmsnorm_weight_as_one_plus_w),
+    ("rmsnorm", "float32", m.rmsnorm_eps_missing),
+    ("rmsnorm", "bfloat16", m.rmsnorm_eps_missing),
+    ("rmsnorm_offset", "bfloat16", m.rmsnorm_offset_weight_as_w),
+    ("rmsnorm_unit", "float32", m.rmsnorm_unit_eps_outside_sqrt),
+    ("rmsnorm_gated", "float32", m.rmsnorm_gated_gate_before_norm),
+    ("l2norm", "float32", m.l2norm_eps_as_clamp),
+    ("inv_freq", "float32", m.inv_freq_active_ignored),
+    ("inv_freq", "float32", m.inv_freq_index_not_doubled),
+    ("rope", "float32", m.rope_pairs_interleaved),
+    ("rope", "float32", m.rope_denom_replaced_by_rot),
+    ("rope", "bfloat16", m.rope_angles_in_bf16),
+    ("rope", "bfloat16", m.rope_angles_in_fp16),
+    ("rope_std", "bfloat16", m.rope_std_pairs_interleaved),
+    ("rope_std", "bfloat16", m.rope_std_inv_freq_buffer_in_bf16),
+    ("rope_std", "float32", m.rope_std_rotation_reversed),
+    ("linear", "bfloat16", m.linear_bf16_accumulation),
+    ("gate_up", "float32", m.gate_up_gate_and_up_swapped),
+    ("silu_mul", "float32", m.silu_mul_gate_and_up_swapped),
+    ("gelu_mul", "float32", m.gelu_mul_gate_and_up_swapped),
+    ("gelu_mul", "float32", m.gelu_mul_erf_gelu),
+    ("residual", "float32", m.residual_r_ignored),
+    ("embed", "bfloat16", m.embed_multiplier_missing),
+    ("embed", "float32", m.embed_multiplier_rounded_to_bf16),
+    ("lm_head", "float32", m.lm_head_softcap_before_multiplier),
+    ("lm_head", "bfloat16", m.lm_head_bf16_accumulation),
+    ("softmax", "float32", m.softmax_max_not_subtracted),
+    ("softmax", "bfloat16", m.softmax_bf16_sum),
+    ("causal_gqa", "float32", m.causal_gqa_mask_edge_off_by_one),
+    ("causal_gqa", "bfloat16", m.causal_gqa_heads_interleaved),
+    ("causal_gqa", "bfloat16", m.causal_gqa_bf16_value_accumulation),
+    ("sliding_gqa", "float32", m.sliding_gqa_window_edge_off_by_one),
+    ("sliding_gqa", "float32", m.sliding_gqa_heads_interleaved),
+    ("decode_gqa", "float32", m.decode_gqa_heads_interleaved),
+    ("decode_gqa", "bfloat16", m.decode_gqa_newest_key_masked),
+    ("sigmoid_gate", "float32", m.sigmoid_gate_operands_swapped),
+    ("sigmoid_gate", "bfloat16", m.sigmoid_gate_silu_instead_of_sigmoid),
+]
+
+
+class _Caught(Exception):
+    """Raised at the first example a mutant fails, so that the search ends there (no shrinking)."""
+
+
+def first_failure(adapter, op: str, dtype: str) -> tuple[int, dict, str] | None:
+    """The first example ``adapter`` fails: how many were drawn up to it, the case, and why; or None."""
+    drawn = 0
+    caught: list[tuple[int, dict, str]] = []
+
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
+              phases=[Phase.generate, Phase.target], suppress_health_check=list(HealthCheck))
+    @given(case=cases(op, dtype))
+    def search(case):
+        nonlocal drawn
+        drawn += 1
+        try:
+            verdict = judge(adapter, op, case, dtype)
+        except ContractViolation as e:
+            failures = [str(e)]
+        else:
+            failures = verdict.failures
+            target(verdict.max_error / verdict.budget, label="error / budget")
+        if failures:
+            caught.append((drawn, case, failures[0]))
+            raise _Caught
+
+    try:
+        search()
+    except _Caught:
+        pass
+    return caught[0] if caught else None
+
+
+def test_every_op_has_a_mutant():
+    missing = set(OP_NAMES) - {op for op, _, _ in MUTANTS}
+    assert not missing, f"ops without a mutant: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("op, dtype, mutant", MUTANTS, ids=[f"{f.__name__}-{d}" for _, d, f in MUTANTS])
+def test_mutant_is_caught(op, dtype, mutant):
+    found = first_failure(m.MutantAdapter(op, mutant), op, dtype)
+    if found is None:
+        pytest.fail(f"mutant {mutant.__name__} of {op} survived {MAX_EXAMPLES} examples in {dtype}: "
+                    f"no verdict failed and no contract check fired")
+    drawn, case, _ = found
+    # The failure is the mutant's: the reference passes the example that caught it.
+    reference = judge(numpy_backend, op, case, dtype)
+    assert reference.passed, (f"the numpy reference fails example {drawn}, which caught {mutant.__name__}, "
+                              f"too: {reference.failures[0]}; case {case_json(case)}")
+
+
+# x [3, 8] and W [5, 8]: a transposed result [5, 3] cannot pass for the contract's [3, 5].
+LINEAR_CASE = {"args": {"W": {"shape": [5, 8], "dist": "normal", "log2": 0, "seed": 1},
+                        "x": {"shape": [3, 8], "dist": "normal", "log2": 0, "seed": 2}}}
+
+
+@pytest.mark.parametrize("broken, says", [
+    (m.linear_raises, "raised RuntimeError: no kernel for this shape"),
+    (m.linear_transposed, "returned shape (5, 3), expected (3, 5)"),
+    (m.linear_left_in_float32, "returned dtype float32, expected bfloat16"),
+], ids=["raises", "wrong_shape", "wrong_dtype"])
+def test_contract_violation_names_the_op_and_the_breach(broken, says):
+    adapter = m.MutantAdapter("linear", broken)
+    with pytest.raises(ContractViolation) as violation:
+        judge(adapter, "linear", LINEAR_CASE, "bfloat16")
+    assert f"{adapter.name}.linear in bfloat16 {says}" == str(violation.value)
