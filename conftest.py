@@ -4,6 +4,7 @@
     pytest --backend=all --dtype=bfloat16     every installed built-in backend, bf16 only
     pytest --backend=mypkg.engine:Adapter     an adapter object, class or factory by path
     pytest --hypothesis-profile=thorough      more examples (profiles: ci, default, thorough)
+    pytest --weights=/path/to/gemma-4-12B     the full forward on real weights
     pytest ... --case='<json>'                rerun exactly one failing case (printed on failure)
 """
 
@@ -34,6 +35,9 @@ def pytest_addoption(parser):
                     help=f"dtypes to test, comma-separated, among {', '.join(DTYPES)}. Default: all.")
     group.addoption("--case", default=None,
                     help="rerun one case (the JSON printed by a failure) instead of drawing examples")
+    group.addoption("--weights", default=None,
+                    help="a Gemma 4 checkpoint folder (config.json and safetensors) for the full forward; "
+                         "default: a checkpoint the suite generates in the real layout")
 
 
 def _backend_specs(option: str) -> list[str]:
@@ -78,7 +82,7 @@ def backend_dtypes(config):
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     recorder = getattr(config, "conformance_recorder", None)
-    if recorder is None or not recorder.records:
+    if recorder is None or not (recorder.records or recorder.forward):
         return
     terminalreporter.section("conformance: largest error per backend, dtype and op (ULPs at the op's scale)")
     for line in recorder.table():

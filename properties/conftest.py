@@ -14,7 +14,11 @@ def pytest_generate_tests(metafunc):
         params = [pytest.param(spec, adapter, dtype, op, id=f"{adapter.name}-{dtype}-{op}")
                   for spec, adapter, dtype in backend_dtypes(metafunc.config) for op in OP_NAMES]
         metafunc.parametrize("backend, adapter, dtype, op", params)
-    if "relation" in metafunc.fixturenames:
+    elif "relation" in metafunc.fixturenames:
         params = [pytest.param(spec, adapter, dtype, name, id=f"{adapter.name}-{dtype}-{name}")
                   for spec, adapter, dtype in backend_dtypes(metafunc.config) for name in RELATIONS]
         metafunc.parametrize("backend, adapter, dtype, relation", params)
+    elif "adapter" in metafunc.fixturenames:
+        params = [pytest.param(spec, adapter, id=adapter.name)
+                  for spec, adapter in metafunc.config.conformance_backends.items()]
+        metafunc.parametrize("backend, adapter", params)

@@ -13,7 +13,7 @@ from spec import CONTRACT, fmt, round_to, ulp
 
 from .budget import budget
 from .strategies import build
-from .table import OPS
+from .table import OPS, ORACLE_WORK
 
 
 class Unsupported(Exception):
@@ -77,9 +77,13 @@ class Verdict:
 def judge(adapter, op: str, case: dict, dtype: str, seed: int = 0) -> Verdict:
     """Run ``case`` on the backend and compare a sample of its output with the oracle."""
     args = build(op, case, dtype)
-    out = call(adapter, op, args, dtype)
+    return assess(op, args, call(adapter, op, args, dtype), dtype, seed)
+
+
+def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, work: int = ORACLE_WORK) -> Verdict:
+    """Compare a sample of ``out``, an implementation's result for ``op`` on ``args``, with the oracle."""
     entry = OPS[op]
-    sub_args, index = entry.sample(op, args, np.random.default_rng(seed))
+    sub_args, index = entry.sample(op, args, np.random.default_rng(seed), work)
     got = np.asarray(out[index])
     exact = np.asarray(entry.oracle(*sub_args), dtype=object).reshape(got.shape)
     exact64 = round_to(exact, "float64")

@@ -39,6 +39,7 @@ class OpRecord:
 class Recorder:
     def __init__(self):
         self.records: dict[tuple[str, str, str], OpRecord] = {}
+        self.forward: dict[tuple[str, str], object] = {}  # (backend, dtype) -> forward.ForwardVerdict
 
     def __call__(self, backend: str, dtype: str, op: str) -> OpRecord:
         key = (backend, dtype, op)
@@ -53,4 +54,9 @@ class Recorder:
         for r in sorted(self.records.values(), key=lambda r: (r.backend, r.dtype, r.op)):
             lines.append(f"{r.backend:<8} {r.dtype:<9} {r.op:<15} {r.outcome:<11} {r.examples:>8} "
                          f"{r.worst_ulps:>10.3g} {r.budget:>9.3g} {r.headroom:>9.3g}")
+        for (backend, dtype), v in sorted(self.forward.items()):
+            worst = max(v.layers, key=lambda e: e[0] / max(e[1], 1e-300), default=(0.0, 0.0))
+            lines.append(f"{backend:<8} {dtype:<9} {'forward':<15} {'failed' if v.failures else 'passed':<11} "
+                         f"logits rel. error {v.logits[0]:.3g} (baseline {v.logits[1]:.3g}), worst layer "
+                         f"{worst[0]:.3g} (baseline {worst[1]:.3g}), top-1 agreement {v.top1_agreement:.0%}")
         return lines

@@ -30,11 +30,11 @@ def _pick(rng, n: int, keep: int) -> np.ndarray:
 def rows(per_row: Callable[[tuple], int]):
     """Sample rows (the leading axes flattened) of a row-wise op whose arguments share them."""
 
-    def sample(op, args, rng):
+    def sample(op, args, rng, work=ORACLE_WORK):
         contract = spec.CONTRACT[op]
         _, lead = contract.bind(*args)
         n = int(np.prod(lead, dtype=np.int64))
-        keep = _pick(rng, n, ORACLE_WORK // max(1, per_row(args)))
+        keep = _pick(rng, n, work // max(1, per_row(args)))
         if len(keep) == n:
             return args, (Ellipsis,)
         sub = []
@@ -53,15 +53,15 @@ def _last(args):
     return np.shape(args[-1])[-1]
 
 
-def matrix(op, args, rng):
+def matrix(op, args, rng, work=ORACLE_WORK):
     """linear, lm_head and gate_up: a subset of rows of x and of output features n."""
     *head, x = args
     weights = [i for i, a in enumerate(head) if isinstance(a, np.ndarray)]
     N, K = head[weights[0]].shape
     lead = x.shape[:-1]
     n_rows = int(np.prod(lead, dtype=np.int64))
-    keep_rows = _pick(rng, n_rows, max(1, ORACLE_WORK // (K * min(N, 8))))
-    keep_n = _pick(rng, N, max(1, ORACLE_WORK // (K * len(keep_rows) * len(weights))))
+    keep_rows = _pick(rng, n_rows, max(1, work // (K * min(N, 8))))
+    keep_n = _pick(rng, N, max(1, work // (K * len(keep_rows) * len(weights))))
     sub = list(head)
     for i in weights:
         sub[i] = head[i][keep_n]
@@ -75,32 +75,32 @@ def matrix(op, args, rng):
     return tuple(sub), index
 
 
-def attention(op, args, rng):
+def attention(op, args, rng, work=ORACLE_WORK):
     """causal and sliding GQA: a subset of queries and KV heads (each query keeps its position)."""
     *head, pos, q, k, v = args
     S, Hkv, G, D = q.shape
     L = k.shape[0]
-    keep_s = _pick(rng, S, ORACLE_WORK // (2 * L * D * G * Hkv) or 1)
-    keep_c = _pick(rng, Hkv, ORACLE_WORK // (2 * L * D * G * len(keep_s)) or 1)
+    keep_s = _pick(rng, S, work // (2 * L * D * G * Hkv) or 1)
+    keep_c = _pick(rng, Hkv, work // (2 * L * D * G * len(keep_s)) or 1)
     sub = (*head, np.asarray(pos)[keep_s], q[keep_s][:, keep_c], k[:, keep_c], v[:, keep_c])
     return sub, np.ix_(keep_s, keep_c, np.arange(G), np.arange(D))
 
 
-def decode(op, args, rng):
+def decode(op, args, rng, work=ORACLE_WORK):
     scale, q, k, v = args
     Hkv, G, D = q.shape
     L = k.shape[0]
-    keep_c = _pick(rng, Hkv, ORACLE_WORK // (2 * L * D * G) or 1)
+    keep_c = _pick(rng, Hkv, work // (2 * L * D * G) or 1)
     return (scale, q[keep_c], k[:, keep_c], v[:, keep_c]), np.ix_(keep_c, np.arange(G), np.arange(D))
 
 
-def embed(op, args, rng):
+def embed(op, args, rng, work=ORACLE_WORK):
     c, E, tokens = args
-    keep = _pick(rng, len(tokens), ORACLE_WORK // E.shape[1])
+    keep = _pick(rng, len(tokens), work // E.shape[1])
     return (c, E, np.asarray(tokens)[keep]), (keep,)
 
 
-def whole(op, args, rng):
+def whole(op, args, rng, work=ORACLE_WORK):
     return args, (Ellipsis,)
 
 
@@ -109,7 +109,7 @@ class OpEntry:
     name: str
     oracle: Callable
     scale: Callable  # error_models: (args as float64, exact as float64, dtype) -> scale per element
-    sample: Callable  # (op, args, rng) -> (sub-args, index into the backend's output)
+    sample: Callable  # (op, args, rng, work) -> (sub-args, index into the backend's output)
     quantities: Callable = lambda args: {}  # budget names beyond the contract's dimensions
 
 
