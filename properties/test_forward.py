@@ -6,6 +6,9 @@ every feature of the 12B model at a size CI affords); with ``--weights PATH`` on
 
 from __future__ import annotations
 
+import resource
+import time
+
 import numpy as np
 import pytest
 
@@ -50,3 +53,41 @@ def test_forward_matches_reference(request, backend, adapter, forward_dtype, mod
     verdict = judge_forward(candidate, baseline, ref, forward_dtype)
     request.config.conformance_recorder.forward[adapter.name, forward_dtype] = verdict
     assert not verdict.failures, "\n".join(verdict.failures)
+
+
+SLOW_TOKENS = 8
+RSS_LIMIT = 8 * 2**30
+
+
+@pytest.mark.slow
+def test_forward_at_the_real_12b_geometry(request, backend, adapter, tmp_path_factory):
+    """The real 12B geometry for a few tokens, streaming: the weights are mapped and read one layer at a
+    time, the vocabulary in chunks, and the process stays under 8 GiB (run alone: the peak is the
+    process's).  Generated in the real layout unless ``--weights`` names real weights."""
+    timings = {}
+    start = time.perf_counter()
+    path = request.config.getoption("--weights")
+    if path is None:
+        path = generate.write_checkpoint(tmp_path_factory.mktemp("gemma4-12b"), generate.real_config(), seed=0,
+                                         shards=5)
+    timings["generation"] = time.perf_counter() - start
+    weights = checkpoint.load(path)
+    tokens = np.random.default_rng(0).integers(0, weights.config.vocab_size, SLOW_TOKENS)
+    dtype = "bfloat16"
+    stages = {"reference": lambda: reference(weights.config, weights, tokens),
+              "backend": lambda: composed(adapter, weights.config, weights, tokens, dtype),
+              "baseline": lambda: composed(numpy_backend, weights.config, weights, tokens, dtype)}
+    results = {}
+    for stage, run in stages.items():
+        start = time.perf_counter()
+        results[stage] = run()
+        timings[stage] = time.perf_counter() - start
+    (ref, certificate), candidate, baseline = results["reference"], results["backend"], results["baseline"]
+    verdict = judge_forward(candidate, baseline, ref, dtype)
+    request.config.conformance_recorder.forward[f"{adapter.name} (12B)", dtype] = verdict
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"\n12B geometry, {SLOW_TOKENS} tokens: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+          + f"; peak RSS {peak / 2**30:.2f} GiB; certified op calls {certificate.calls}")
+    assert not certificate.failures, "\n".join(certificate.failures[:10])
+    assert not verdict.failures, "\n".join(verdict.failures)
+    assert peak <= RSS_LIMIT, f"peak RSS {peak / 2**30:.2f} GiB > 8 GiB"

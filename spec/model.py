@@ -17,6 +17,8 @@ from . import ORACLES
 from .exact import exact, get_precision
 
 
+VOCAB_CHUNK = 16384  # rows of the tied embedding in memory at once (240 MB in float32 at 12B)
+
 # The ops the graph calls: an adapter needs all of them (or its own forward) to run the model.
 OPS_USED = ("embed", "rmsnorm", "linear", "rope", "rmsnorm_unit", "sliding_gqa", "causal_gqa", "residual",
             "gate_up", "gelu_mul", "lm_head")
@@ -53,13 +55,18 @@ def forward(ops, config, weights: Mapping[str, np.ndarray], tokens, observe_laye
        post-attention norm and residual; MLP block (GeGLU), post-feedforward norm and residual;
        x = x * layer_scalar
     3. logits = lmHead(1, final softcap, E, rmsnorm(x, norm))
+
+    Weights are read from ``weights`` as each op needs them, so a lazily loaded checkpoint streams
+    through one layer at a time.
     """
     tokens = np.asarray(tokens, dtype=np.int64)
     T = len(tokens)
     eps, H = config.eps, config.num_heads
     positions = np.arange(T)
-    E = ops.weight(weights["model.embed_tokens.weight"])
-    x = ops.op("embed", config.embed_scale, E, tokens)
+    E = weights["model.embed_tokens.weight"]
+    # embed(c, E, tokens) reads only the tokens' rows: pass those (the vocabulary is 262144 x 3840).
+    rows, token_rows = np.unique(tokens, return_inverse=True)
+    x = ops.op("embed", config.embed_scale, ops.weight(E[rows]), token_rows)
     hidden_states = []
     for layer in config.layers:
         def w(name, prefix=f"model.layers.{layer.index}."):
@@ -90,5 +97,7 @@ def forward(ops, config, weights: Mapping[str, np.ndarray], tokens, observe_laye
         if observe_layer is not None:
             observe_layer(layer.index, x)
     final = ops.op("rmsnorm", eps, x, ops.weight(weights["model.norm.weight"]))
-    logits = ops.op("lm_head", 1.0, config.final_softcap, E, final)
-    return {"logits": logits, "hidden_states": hidden_states}
+    # Each logit depends on its own row of E: the LM head runs over the vocabulary in chunks.
+    logits = [ops.op("lm_head", 1.0, config.final_softcap, ops.weight(E[start:start + VOCAB_CHUNK]), final)
+              for start in range(0, E.shape[0], VOCAB_CHUNK)]
+    return {"logits": np.concatenate(logits, axis=-1), "hidden_states": hidden_states}
