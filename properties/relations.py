@@ -16,6 +16,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from spec import CONTRACT, fmt, ulp
+from spec.exact import widen
 
 from .budget import ACCUMULATION, budget
 from .harness import call
@@ -34,9 +35,8 @@ class Relation:
 def allowance(op: str, dtype: str, args: tuple, reference: np.ndarray) -> np.ndarray:
     """The absolute error the op's budget allows at ``args``, with ``reference`` standing in for the
     exact result in its error model (the scale needs only its magnitude)."""
-    sub = tuple(a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind in "fV" else a for a in args)
     ref = np.asarray(reference, dtype=np.float64)
-    scale, flush = OPS[op].scale(sub, ref, dtype)
+    scale, flush = OPS[op].scale(tuple(widen(a) for a in args), ref, dtype)
     dims, _ = CONTRACT[op].bind(*args)
     allowed = budget(op, dtype).ulps(**dims, **OPS[op].quantities(args))
     return allowed * ulp(np.broadcast_to(scale, ref.shape), dtype) + np.broadcast_to(flush, ref.shape)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -399,3 +400,55 @@ def linear_transposed(W, x):
 
 def linear_left_in_float32(W, x):
     return reference.linear(W.astype(np.float32), x.astype(np.float32))  # never cast back
+
+
+# Which mutant runs in which dtype: the dtype where its bug is a real bug.
+MUTANTS = [  # (op, dtype, mutant)
+    ("sigmoid", "float32", sigmoid_tanh_form_without_half_angle),
+    ("sigmoid", "bfloat16", sigmoid_tanh_form_sign_flipped),
+    ("silu", "float32", silu_as_quick_gelu),
+    ("gelu_tanh", "float32", gelu_tanh_as_erf_gelu),
+    ("softcap", "float32", softcap_outer_multiply_missing),
+    ("rms", "float32", rms_eps_missing),
+    ("rms", "bfloat16", rms_bf16_accumulation),
+    ("rmsnorm", "float32", rmsnorm_weight_as_one_plus_w),
+    ("rmsnorm", "float32", rmsnorm_eps_missing),
+    ("rmsnorm", "bfloat16", rmsnorm_eps_missing),
+    ("rmsnorm_offset", "bfloat16", rmsnorm_offset_weight_as_w),
+    ("rmsnorm_unit", "float32", rmsnorm_unit_eps_outside_sqrt),
+    ("rmsnorm_gated", "float32", rmsnorm_gated_gate_before_norm),
+    ("l2norm", "float32", l2norm_eps_as_clamp),
+    ("inv_freq", "float32", inv_freq_active_ignored),
+    ("inv_freq", "float32", inv_freq_index_not_doubled),
+    ("rope", "float32", rope_pairs_interleaved),
+    ("rope", "float32", rope_denom_replaced_by_rot),
+    ("rope", "bfloat16", rope_angles_in_bf16),
+    ("rope", "bfloat16", rope_angles_in_fp16),
+    ("rope_std", "bfloat16", rope_std_pairs_interleaved),
+    ("rope_std", "bfloat16", rope_std_inv_freq_buffer_in_bf16),
+    ("rope_std", "float32", rope_std_rotation_reversed),
+    ("linear", "bfloat16", linear_bf16_accumulation),
+    ("gate_up", "float32", gate_up_gate_and_up_swapped),
+    ("silu_mul", "float32", silu_mul_gate_and_up_swapped),
+    ("gelu_mul", "float32", gelu_mul_gate_and_up_swapped),
+    ("gelu_mul", "float32", gelu_mul_erf_gelu),
+    ("residual", "float32", residual_r_ignored),
+    ("embed", "bfloat16", embed_multiplier_missing),
+    ("embed", "float32", embed_multiplier_rounded_to_bf16),
+    ("lm_head", "float32", lm_head_softcap_before_multiplier),
+    ("lm_head", "bfloat16", lm_head_bf16_accumulation),
+    ("softmax", "float32", softmax_max_not_subtracted),
+    ("softmax", "bfloat16", softmax_bf16_sum),
+    ("causal_gqa", "float32", causal_gqa_mask_edge_off_by_one),
+    ("causal_gqa", "bfloat16", causal_gqa_heads_interleaved),
+    ("causal_gqa", "bfloat16", causal_gqa_bf16_value_accumulation),
+    ("sliding_gqa", "float32", sliding_gqa_window_edge_off_by_one),
+    ("sliding_gqa", "float32", sliding_gqa_heads_interleaved),
+    ("decode_gqa", "float32", decode_gqa_heads_interleaved),
+    ("decode_gqa", "bfloat16", decode_gqa_newest_key_masked),
+    ("sigmoid_gate", "float32", sigmoid_gate_operands_swapped),
+    ("sigmoid_gate", "bfloat16", sigmoid_gate_silu_instead_of_sigmoid),
+]
+
+# Each mutant as a backend the suite can load: --backend=tests.mutants:ADAPTERS.<mutant name>
+ADAPTERS = SimpleNamespace(**{mutant.__name__: MutantAdapter(op, mutant) for op, _, mutant in MUTANTS})

@@ -18,53 +18,8 @@ from tests import mutants as m
 
 # Examples drawn per mutant at most; a mutant is usually caught within a few, and the search stops there.
 MAX_EXAMPLES = 100
+MUTANTS = m.MUTANTS
 
-MUTANTS = [  # (op, dtype, mutant)
-    ("sigmoid", "float32", m.sigmoid_tanh_form_without_half_angle),
-    ("sigmoid", "bfloat16", m.sigmoid_tanh_form_sign_flipped),
-    ("silu", "float32", m.silu_as_quick_gelu),
-    ("gelu_tanh", "float32", m.gelu_tanh_as_erf_gelu),
-    ("softcap", "float32", m.softcap_outer_multiply_missing),
-    ("rms", "float32", m.rms_eps_missing),
-    ("rms", "bfloat16", m.rms_bf16_accumulation),
-    ("rmsnorm", "float32", m.rmsnorm_weight_as_one_plus_w),
-    ("rmsnorm", "float32", m.rmsnorm_eps_missing),
-    ("rmsnorm", "bfloat16", m.rmsnorm_eps_missing),
-    ("rmsnorm_offset", "bfloat16", m.rmsnorm_offset_weight_as_w),
-    ("rmsnorm_unit", "float32", m.rmsnorm_unit_eps_outside_sqrt),
-    ("rmsnorm_gated", "float32", m.rmsnorm_gated_gate_before_norm),
-    ("l2norm", "float32", m.l2norm_eps_as_clamp),
-    ("inv_freq", "float32", m.inv_freq_active_ignored),
-    ("inv_freq", "float32", m.inv_freq_index_not_doubled),
-    ("rope", "float32", m.rope_pairs_interleaved),
-    ("rope", "float32", m.rope_denom_replaced_by_rot),
-    ("rope", "bfloat16", m.rope_angles_in_bf16),
-    ("rope", "bfloat16", m.rope_angles_in_fp16),
-    ("rope_std", "bfloat16", m.rope_std_pairs_interleaved),
-    ("rope_std", "bfloat16", m.rope_std_inv_freq_buffer_in_bf16),
-    ("rope_std", "float32", m.rope_std_rotation_reversed),
-    ("linear", "bfloat16", m.linear_bf16_accumulation),
-    ("gate_up", "float32", m.gate_up_gate_and_up_swapped),
-    ("silu_mul", "float32", m.silu_mul_gate_and_up_swapped),
-    ("gelu_mul", "float32", m.gelu_mul_gate_and_up_swapped),
-    ("gelu_mul", "float32", m.gelu_mul_erf_gelu),
-    ("residual", "float32", m.residual_r_ignored),
-    ("embed", "bfloat16", m.embed_multiplier_missing),
-    ("embed", "float32", m.embed_multiplier_rounded_to_bf16),
-    ("lm_head", "float32", m.lm_head_softcap_before_multiplier),
-    ("lm_head", "bfloat16", m.lm_head_bf16_accumulation),
-    ("softmax", "float32", m.softmax_max_not_subtracted),
-    ("softmax", "bfloat16", m.softmax_bf16_sum),
-    ("causal_gqa", "float32", m.causal_gqa_mask_edge_off_by_one),
-    ("causal_gqa", "bfloat16", m.causal_gqa_heads_interleaved),
-    ("causal_gqa", "bfloat16", m.causal_gqa_bf16_value_accumulation),
-    ("sliding_gqa", "float32", m.sliding_gqa_window_edge_off_by_one),
-    ("sliding_gqa", "float32", m.sliding_gqa_heads_interleaved),
-    ("decode_gqa", "float32", m.decode_gqa_heads_interleaved),
-    ("decode_gqa", "bfloat16", m.decode_gqa_newest_key_masked),
-    ("sigmoid_gate", "float32", m.sigmoid_gate_operands_swapped),
-    ("sigmoid_gate", "bfloat16", m.sigmoid_gate_silu_instead_of_sigmoid),
-]
 
 
 class _Caught(Exception):

@@ -1,0 +1,86 @@
+"""The mutation study: run the suite against every mutant and print the kill matrix.
+
+    python -m tests.mutation_study [--profile ci] [--only NAME ...]
+
+Each op mutant (tests/mutants.py) runs the suite's agreement and relation tests for its op in its
+dtype; each model-level mutant (tests/forward_mutants.py) runs the full-forward tests.  Every run
+stops at its first failure (pytest -x), so a mutant costs seconds.  The matrix lists each mutant,
+the test that killed it and the time it took; the exit status is 1 if any mutant survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests import forward_mutants, mutants
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Run:
+    mutant: str
+    target: str  # the op, or "forward"
+    dtype: str
+    backend: str
+    selection: tuple[str, ...]
+
+
+def runs() -> list[Run]:
+    table = [Run(m.__name__, op, dtype, f"tests.mutants:ADAPTERS.{m.__name__}",
+                 ("properties/test_agreement.py", "properties/test_relations.py", "-k", op))
+             for op, dtype, m in mutants.MUTANTS]
+    table += [Run(m.name, "forward", "float32,bfloat16", f"tests.forward_mutants:ADAPTERS.{m.name}",
+                  ("properties/test_forward.py", "-k", "test_forward_matches_reference"))
+              for m in forward_mutants.MUTANTS]
+    return table
+
+
+def kill(run: Run, profile: str) -> tuple[list[str], float, str]:
+    """The tests that failed for this mutant (the first, with -x), the seconds it took, and pytest's
+    last line (which says whether a survivor passed or the run broke)."""
+    with tempfile.TemporaryDirectory() as folder:
+        report = Path(folder) / "junit.xml"
+        command = [sys.executable, "-m", "pytest", *run.selection, f"--backend={run.backend}",
+                   f"--dtype={run.dtype}", f"--hypothesis-profile={profile}", "-x", "-q", "-p", "no:cacheprovider",
+                   f"--junitxml={report}"]
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        killers = []
+        if report.exists():  # a failed test killed it; an error (the suite or the adapter broke) did not
+            killers = [case.get("name") for case in ET.parse(report).iter("testcase") if case.find("failure") is not None]
+        last = (done.stdout.strip().splitlines() or [""])[-1]
+        return killers, seconds, last
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="ci", help="Hypothesis profile (default: ci)")
+    parser.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
+    args = parser.parse_args(argv)
+    table = [r for r in runs() if not args.only or r.mutant in args.only]
+    width = max(len(r.mutant) for r in table)
+    print(f"{'mutant':<{width}}  {'op':<14} {'dtype':<16} {'seconds':>7}  killed by")
+    survivors, total = [], time.perf_counter()
+    for run in table:
+        killers, seconds, last = kill(run, args.profile)
+        verdict = ", ".join(killers) if killers else f"SURVIVED ({last})"
+        print(f"{run.mutant:<{width}}  {run.target:<14} {run.dtype:<16} {seconds:>7.1f}  {verdict}", flush=True)
+        if not killers:
+            survivors.append(run.mutant)
+    killed = len(table) - len(survivors)
+    print(f"\nkill rate {killed}/{len(table)} = {killed / len(table):.0%} in the {args.profile} profile, "
+          f"{time.perf_counter() - total:.0f} s" + (f"; survivors: {', '.join(survivors)}" if survivors else ""))
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
