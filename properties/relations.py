@@ -235,7 +235,7 @@ def decode_is_last_row_of_causal(adapter, case, dtype):
 
 
 def wide_window_is_causal(adapter, case, dtype):
-    scale, window, pos, q, k, v = args = build("sliding_gqa", case, dtype)
+    scale, window, pos, q, k, v = build("sliding_gqa", case, dtype)
     wide = (scale, k.shape[0] + window, pos, q, k, v)
     a = call(adapter, "sliding_gqa", wide, dtype)
     b = call(adapter, "causal_gqa", (scale, pos, q, k, v), dtype)

@@ -32,8 +32,6 @@ def rope(theta, rot, denom, active, pos, x):
             x t d * Real.cos a + x t ⟨d.val - half, by omega⟩ * Real.sin a
           else x t d
     """
-    D = x.shape[-1]
-    half = rot // 2
     pos = np.asarray(pos, dtype=object)
     out = np.empty_like(x)
     # The angle pos * w must be known to |a| 2^-p absolutely: guard bits for the size of pos.
@@ -44,6 +42,7 @@ def rope(theta, rot, denom, active, pos, x):
 
 
 def _rotate(theta, rot, denom, active, pos, x, out):
+    """The body of ``rope``, writing into ``out``."""
     D = x.shape[-1]
     half = rot // 2
     for d in range(D):
