@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 import adapters
+import report
 from adapters import DTYPES, AdapterError
 from properties.record import Recorder
 
@@ -35,6 +37,11 @@ def pytest_addoption(parser):
                     help=f"dtypes to test, comma-separated, among {', '.join(DTYPES)}. Default: all.")
     group.addoption("--case", default=None,
                     help="rerun one case (the JSON printed by a failure) instead of drawing examples")
+    group.addoption("--report-html", default="reports/conformance.html",
+                    help="where to write the HTML tolerance report (default: reports/conformance.html; "
+                         "'' for none)")
+    group.addoption("--report-json", default=None,
+                    help="also write the run's results as JSON (versioned schema; see report/data.py)")
     group.addoption("--weights", default=None,
                     help="a Gemma 4 checkpoint folder (config.json and safetensors) for the full forward; "
                          "default: a checkpoint the suite generates in the real layout")
@@ -87,3 +94,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.section("conformance: largest error per backend, dtype and op (ULPs at the op's scale)")
     for line in recorder.table():
         terminalreporter.write_line(line)
+    written = report.save(recorder, html=config.getoption("--report-html") or None,
+                          json=config.getoption("--report-json"),
+                          command=shlex.join(["pytest", *config.invocation_params.args]))
+    for path in written:
+        terminalreporter.write_line(f"conformance report: {path}")

@@ -1,0 +1,58 @@
+"""Conformance reports: a run's results as a versioned JSON document, and as one self-contained HTML page.
+
+    doc = report.document(recorder, report.environment())   # the document (schema: report/data.py)
+    report.dump(doc, "reports/torch.json")                   # JSON, read back by report.load()
+    report.write_html("reports/conformance.html", [doc])      # the page; several documents side by side
+
+    python -m report html OUT.html IN.json
+    python -m report merge OUT.html IN1.json IN2.json ...
+
+``save(recorder, html=..., json=...)`` does the first three at once (the pytest plugin's call).
+The HTML half imports matplotlib and jinja2, so it is loaded only when a page is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .data import (
+    SCHEMA,
+    VERSION,
+    ReportError,
+    document,
+    dump,
+    environment,
+    load,
+    number,
+    validate,
+)
+
+__all__ = ["SCHEMA", "VERSION", "ReportError", "document", "dump", "environment", "load", "number", "render",
+           "save", "validate", "write_html"]
+
+
+def render(documents: list[dict], labels: list[str] | None = None, title: str | None = None) -> str:
+    """One self-contained HTML page of ``documents`` side by side (see report.html.render)."""
+    from .html import render as _render
+    return _render(documents, labels, title)
+
+
+def write_html(path, documents: list[dict], labels: list[str] | None = None, title: str | None = None) -> Path:
+    """Write the HTML page of ``documents`` to ``path`` (its folder is created); returns the path."""
+    from .html import write
+    return write(path, documents, labels, title)
+
+
+def save(recorder, html=None, json=None, **environment_extra) -> list[Path]:
+    """Write a run's report as HTML and/or JSON (each when its path is given); returns the paths written.
+
+    ``environment_extra`` adds keys to the environment, e.g. ``command=...`` or ``label=...``."""
+    if html is None and json is None:
+        return []
+    doc = document(recorder, environment(**environment_extra))
+    written = []
+    if json is not None:
+        written.append(dump(doc, json))
+    if html is not None:
+        written.append(write_html(html, [doc]))
+    return written

@@ -1,0 +1,397 @@
+"""The report document: one conformance run as a plain, JSON-able, versioned dict.
+
+``document(recorder, environment())`` builds it from the pytest plugin's ``Recorder``; ``dump`` writes it
+as JSON and ``load`` reads one back, checking its schema.  The HTML page (``report.html``) is rendered
+from documents only, so reports written on other machines, by other backends or by other versions of
+the suite can be merged into one page.
+
+Schema ``gemma4-conformance-report``, version 1
+==============================================
+
+Top level (an object)::
+
+    schema       "gemma4-conformance-report"
+    version      1 (an integer; a reader refuses versions it does not know)
+    environment  object: where and with what the run happened (below)
+    results      array: one entry per backend x dtype x op that the run recorded (below)
+    forward      array: one entry per backend x dtype whose full forward ran (below)
+
+Numbers.  JSON has no infinities or NaN: a measured value that is not finite is written as the string
+``"inf"``, ``"-inf"`` or ``"nan"`` (``number()`` reads any number field back as a float).  ``null``
+means "not measured" (an op with no examples has no error statistics).
+
+``environment``::
+
+    suite_version  the installed gemma4-conformance version ("unknown" when it is not installed)
+    python         the Python version and implementation, e.g. "3.11.7 (CPython)"
+    platform       platform.platform(): operating system, kernel, libc
+    machine        the architecture, e.g. "x86_64"
+    cpu            the processor's model name (/proc/cpuinfo on Linux, else platform.processor())
+    cpu_count      logical CPUs (os.cpu_count())
+    accelerators   array of strings: the GPUs or TPUs the run's libraries saw, e.g.
+                   "torch cuda:0 NVIDIA H200"; empty when none, or when no library that can see one
+                   was imported by the run
+    libraries      object: library name -> installed version, for those of numpy, torch, jax,
+                   jaxlib, ml_dtypes, mpmath, hypothesis that are installed
+    date           when the document was made, ISO 8601 in UTC, e.g. "2025-11-30T06:20:00+00:00"
+
+    Further keys (JSON values) may be given by the caller of ``environment(**extra)``, e.g. the
+    command line, the Hypothesis profile, or a ``label`` naming the run in a merged page.
+
+``results[i]`` (sorted by backend, dtype float64 float32 bfloat16 float16, op in the contract's order)::
+
+    backend         the adapter's name
+    dtype           "float64", "float32", "bfloat16" or "float16"
+    op              the op's name in spec/contract.py
+    outcome         "passed", "failed", "errored" (the backend raised, or broke the contract: wrong
+                    shape or dtype), "unsupported" (the adapter lacks the op), or "not run"
+    examples        number of examples judged (an integer)
+    max_ulps        the largest error of any example, in ULPs of the dtype at the op's scale
+                    (properties/error_models.py); null with no examples
+    p99_ulps        the 99th percentile of the examples' largest errors, ULPs; null with no examples
+    median_ulps     their median, ULPs; null with no examples
+    budget_ulps     the budget of the example with the least headroom, ULPs at the scale (a budget
+                    depends on the example's dimensions); null with no examples
+    headroom        budget_ulps / max_ulps: above 1 the op passed with that factor to spare, below 1
+                    it failed by that factor; "inf" when every example was exact; null with no examples
+    budget_formula  the budget's formula in properties/tolerances.yaml, e.g. "4.5 + 1.5 * fn";
+                    null when the suite does not know the op
+    error_model     the error model the formula comes from, in words; null likewise
+    worst_case      the input case of the example with the least headroom (the JSON that
+                    ``--case`` takes), or null
+    rerun           the shell command that reruns exactly that case ("" when none was recorded)
+    message         the failure or error message ("" when the op passed)
+    histogram       array of numbers: each example's largest error in ULPs, 4 significant digits,
+                    in the order drawn; above 500 examples, 500 order statistics evenly spaced
+                    from the smallest to the largest (so the distribution's shape, minimum and
+                    maximum are kept), sorted ascending
+
+``forward[i]`` (sorted by backend, then dtype)::
+
+    backend         the adapter's name ("torch (12B)" for the real-geometry run)
+    dtype           the forward's dtype
+    outcome         "passed" or "failed"
+    layers          {"candidate": [...], "baseline": [...]}: per decoder layer, the relative error
+                    (Frobenius norm of the difference over that of the reference) of the backend's
+                    hidden state and of the plain same-dtype baseline's, against the certified
+                    float64 reference; empty when the backend's own forward returns no hidden states
+    logits          {"candidate": x, "baseline": y}: the same relative errors for the logits
+    top1_agreement  fraction (0 to 1) of positions whose top-1 token matches the reference's
+    logprob_gap     {"candidate": x, "baseline": y}: the largest |log p - log p_ref| over positions
+                    and tokens, in nats
+    factor          how many times the baseline's error the candidate may have (the verdict's
+                    FACTOR), or null when unknown
+    floor           the absolute relative error always allowed (FLOOR unit roundoffs of the dtype),
+                    or null when unknown
+    failures        array of strings: why the verdict failed (empty when it passed)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA = "gemma4-conformance-report"
+VERSION = 1
+HISTOGRAM_CAP = 500
+DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16")
+OUTCOMES = ("passed", "failed", "errored", "unsupported", "not run")
+LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "ml_dtypes", "mpmath", "hypothesis")
+
+RESULT_FIELDS = {
+    "backend": str, "dtype": str, "op": str, "outcome": str, "examples": int, "max_ulps": "number",
+    "p99_ulps": "number", "median_ulps": "number", "budget_ulps": "number", "headroom": "number",
+    "budget_formula": (str, type(None)), "error_model": (str, type(None)), "worst_case": (dict, type(None)),
+    "rerun": str, "message": str, "histogram": list,
+}
+FORWARD_FIELDS = {
+    "backend": str, "dtype": str, "outcome": str, "layers": dict, "logits": dict, "top1_agreement": "number",
+    "logprob_gap": dict, "factor": "number", "floor": "number", "failures": list,
+}
+_NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+class ReportError(ValueError):
+    """A file that is not a report this suite can read; the message names the file and what is wrong."""
+
+
+# ----------------------------------------------------------------------------------------- numbers
+
+def encode(x) -> float | str | None:
+    """A number for the document: a finite float, "inf", "-inf" or "nan"; None stays None."""
+    if x is None:
+        return None
+    x = float(x)
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def number(value) -> float | None:
+    """A number field of a document as a float (``"inf"`` -> inf); None (not measured) stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return _NON_FINITE[value]
+    return float(value)
+
+
+def _is_number(value) -> bool:
+    if isinstance(value, str):
+        return value in _NON_FINITE
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+# ----------------------------------------------------------------------------------------- building
+
+def _dtype_rank(dtype: str) -> tuple:
+    return (DTYPE_ORDER.index(dtype), "") if dtype in DTYPE_ORDER else (len(DTYPE_ORDER), dtype)
+
+
+def _op_ranks() -> dict[str, int]:
+    try:
+        from spec import CONTRACT
+    except ImportError:  # the report package used outside the suite: alphabetical order
+        return {}
+    return {op: i for i, op in enumerate(CONTRACT)}
+
+
+def _budget(op: str, dtype: str):
+    try:
+        from properties.budget import budget
+        return budget(op, dtype)
+    except (ImportError, KeyError):  # an op or dtype the suite's budgets do not know
+        return None
+
+
+def _forward_thresholds(dtype: str) -> tuple[float | None, float | None]:
+    try:
+        from properties.forward import FACTOR, FLOOR
+        from spec import fmt
+        return float(FACTOR), float(FLOOR * fmt(dtype).eps)
+    except (ImportError, ValueError, KeyError):
+        return None, None
+
+
+def _jsonable(value):
+    """A JSON-able copy of a case (numpy scalars and arrays become Python numbers and lists)."""
+    return json.loads(json.dumps(value, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+
+
+def _histogram(values) -> list:
+    values = [float(v) for v in values]
+    if len(values) > HISTOGRAM_CAP:
+        ordered = np.sort(np.asarray(values))
+        values = ordered[np.linspace(0, len(ordered) - 1, HISTOGRAM_CAP).round().astype(int)].tolist()
+    return [encode(float(f"{v:.4g}")) if math.isfinite(v) else encode(v) for v in values]
+
+
+def result_entry(record) -> dict:
+    """One ``results`` entry from a ``properties.record.OpRecord``."""
+    measured = record.examples > 0 and bool(record.per_example)
+    b = _budget(record.op, record.dtype)
+    return {
+        "backend": record.backend,
+        "dtype": record.dtype,
+        "op": record.op,
+        "outcome": record.outcome,
+        "examples": int(record.examples),
+        "max_ulps": encode(record.worst_ulps) if measured else None,
+        "p99_ulps": encode(record.quantile(0.99)) if measured else None,
+        "median_ulps": encode(record.quantile(0.5)) if measured else None,
+        "budget_ulps": encode(record.budget) if measured else None,
+        "headroom": encode(record.headroom) if measured else None,
+        "budget_formula": b.formula if b else None,
+        "error_model": b.model if b else None,
+        "worst_case": _jsonable(record.worst_case) if record.worst_case is not None else None,
+        "rerun": record.worst_command or "",
+        "message": record.message or "",
+        "histogram": _histogram(record.per_example),
+    }
+
+
+def forward_entry(backend: str, dtype: str, verdict) -> dict:
+    """One ``forward`` entry from a ``properties.forward.ForwardVerdict`` (or any object with its fields)."""
+    factor, floor = _forward_thresholds(dtype)
+    failures = [str(f) for f in verdict.failures]
+    return {
+        "backend": backend,
+        "dtype": dtype,
+        "outcome": "failed" if failures else "passed",
+        "layers": {"candidate": [encode(c) for c, _ in verdict.layers],
+                   "baseline": [encode(b) for _, b in verdict.layers]},
+        "logits": {"candidate": encode(verdict.logits[0]), "baseline": encode(verdict.logits[1])},
+        "top1_agreement": encode(verdict.top1_agreement),
+        "logprob_gap": {"candidate": encode(verdict.logprob_gap[0]), "baseline": encode(verdict.logprob_gap[1])},
+        "factor": encode(factor),
+        "floor": encode(floor),
+        "failures": failures,
+    }
+
+
+def document(recorder, environment: dict | None = None) -> dict:
+    """The report document of a run: ``recorder`` is the plugin's ``properties.record.Recorder``;
+    ``environment`` is ``environment()``'s dict (collected now when None)."""
+    ranks = _op_ranks()
+    records = sorted(recorder.records.values(),
+                     key=lambda r: (r.backend, _dtype_rank(r.dtype), ranks.get(r.op, len(ranks)), r.op))
+    forward = sorted(recorder.forward.items(), key=lambda item: (item[0][0], _dtype_rank(item[0][1])))
+    return {
+        "schema": SCHEMA,
+        "version": VERSION,
+        "environment": _jsonable(_current_environment() if environment is None else environment),
+        "results": [result_entry(r) for r in records],
+        "forward": [forward_entry(backend, dtype, v) for (backend, dtype), v in forward],
+    }
+
+
+# ----------------------------------------------------------------------------------------- environment
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _accelerators() -> list[str]:
+    """The devices of libraries the run already imported (importing one here would cost seconds)."""
+    found = []
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_available():
+                found += [f"torch cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
+        except Exception:  # noqa: BLE001, S110 -- a broken driver must not lose the report; devices only inform
+            pass
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        try:
+            found += [f"jax {d.platform}:{d.id} {d.device_kind}" for d in jax.devices() if d.platform != "cpu"]
+        except Exception:  # noqa: BLE001, S110 -- likewise
+            pass
+    return found
+
+
+def _libraries() -> dict[str, str]:
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            module = sys.modules.get(name)
+            if module is not None and hasattr(module, "__version__"):
+                versions[name] = str(module.__version__)
+    return versions
+
+
+def environment(**extra) -> dict:
+    """Where and with what this process runs (see the schema above); ``extra`` keys are added as given."""
+    try:
+        suite = metadata.version("gemma4-conformance")
+    except metadata.PackageNotFoundError:
+        suite = "unknown"
+    env = {
+        "suite_version": suite,
+        "python": f"{platform.python_version()} ({platform.python_implementation()})",
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu(),
+        "cpu_count": os.cpu_count(),
+        "accelerators": _accelerators(),
+        "libraries": _libraries(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    env.update(extra)
+    return env
+
+
+def _current_environment() -> dict:
+    return environment()
+
+
+# ----------------------------------------------------------------------------------------- files
+
+def dump(document: dict, path) -> Path:
+    """Write ``document`` as JSON to ``path`` (its folder is created); returns the path."""
+    path = Path(path)
+    validate(document, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    return path
+
+
+def _check_fields(entry, fields: dict, where: str, source: str) -> None:
+    if not isinstance(entry, dict):
+        raise ReportError(f"{source}: {where} is {type(entry).__name__}, expected an object")
+    for key, kind in fields.items():
+        if key not in entry:
+            raise ReportError(f"{source}: {where} lacks the field {key!r}")
+        value = entry[key]
+        ok = _is_number(value) if kind == "number" else isinstance(value, kind) and not isinstance(value, bool)
+        if not ok:
+            expected = "a number, null, or \"inf\"/\"-inf\"/\"nan\"" if kind == "number" else \
+                " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ReportError(f"{source}: {where}.{key} is {value!r:.60}, expected {expected}")
+
+
+def validate(document, source: str = "<document>") -> dict:
+    """Check that ``document`` is a version-1 report; raise ``ReportError`` naming ``source`` otherwise."""
+    if not isinstance(document, dict):
+        raise ReportError(f"{source}: not a {SCHEMA} (the top level is {type(document).__name__}, "
+                          f"expected an object)")
+    schema = document.get("schema")
+    if schema != SCHEMA:
+        raise ReportError(f"{source}: not a {SCHEMA}: its \"schema\" is {schema!r}, expected {SCHEMA!r}")
+    version = document.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ReportError(f"{source}: \"version\" is {version!r}, expected an integer")
+    if version != VERSION:
+        newer = "newer than" if version > VERSION else "older than"
+        raise ReportError(f"{source}: report schema version {version} is {newer} the version this suite reads "
+                          f"({VERSION}); render it with the gemma4-conformance that wrote it")
+    for key, kind in (("environment", dict), ("results", list), ("forward", list)):
+        if not isinstance(document.get(key), kind):
+            raise ReportError(f"{source}: \"{key}\" is missing or not an {'object' if kind is dict else 'array'}")
+    for i, entry in enumerate(document["results"]):
+        _check_fields(entry, RESULT_FIELDS, f"results[{i}]", source)
+        if entry["outcome"] not in OUTCOMES:
+            raise ReportError(f"{source}: results[{i}].outcome is {entry['outcome']!r}, expected one of {OUTCOMES}")
+        if not all(_is_number(v) for v in entry["histogram"]):
+            raise ReportError(f"{source}: results[{i}].histogram holds a value that is not a number")
+    for i, entry in enumerate(document["forward"]):
+        _check_fields(entry, FORWARD_FIELDS, f"forward[{i}]", source)
+        for key in ("layers", "logits", "logprob_gap"):
+            if not {"candidate", "baseline"} <= set(entry[key]):
+                raise ReportError(f"{source}: forward[{i}].{key} needs \"candidate\" and \"baseline\"")
+    return document
+
+
+def load(path) -> dict:
+    """Read and validate a JSON report written by ``dump``; ``ReportError`` names the file otherwise."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ReportError(f"{path}: cannot read the report: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ReportError(f"{path}: not a {SCHEMA} (not UTF-8 text)") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{path}: not a {SCHEMA}: invalid JSON at line {e.lineno} column {e.colno}: "
+                          f"{e.msg}") from None
+    return validate(doc, str(path))

@@ -1,0 +1,408 @@
+"""The HTML page: one or several report documents on one self-contained page.
+
+``render(documents)`` returns the page as a string; ``write(path, documents)`` writes it.  The page
+fetches nothing (a Content-Security-Policy forbids it): styles and a few lines of script are inline,
+and every chart is an inline SVG drawn by matplotlib (Agg canvas, text kept as text).  The markup
+comes from ``templates/report.html.j2`` with autoescaping on; the only unescaped strings are the SVGs.
+
+Sections, in order: failures (every failed or errored op and failed forward, worst first, with the
+message and the command that reruns the worst case), % conformant per backend and dtype, the
+conformance matrix (ops x dtypes, backends side by side within a dtype; each cell max ULPs / budget,
+coloured red failed, orange passed with headroom under 1.5, green passed, grey unsupported), the
+passing ops closest to their budget with their rerun commands, the error histograms (one chart per
+backend x dtype, one panel per op, the budget dashed), the full forward (per-layer relative error of
+candidate and baseline, log scale), and each document's environment.
+
+With several documents, a backend that occurs in more than one is labelled ``backend · label``,
+the label being the document's (the file's name for ``python -m report merge``).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+import re
+from functools import cache
+from pathlib import Path
+
+import jinja2
+import matplotlib
+import numpy as np
+from markupsafe import Markup
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from .data import DTYPE_ORDER, number, validate
+
+TEMPLATES = Path(__file__).with_name("templates")
+WARN_HEADROOM = 1.5  # a passing op with less headroom than this is shown orange
+CLOSEST_PER_COLUMN = 10  # passing ops listed per backend in "closest to budget"
+COLOURS = {"fail": "#e03131", "warn": "#f08c00", "ok": "#2f9e44", "unsup": "#adb5bd", "notrun": "#868e96",
+           "none": "#dee2e6"}
+_RC = {
+    "svg.fonttype": "none",  # text stays text: small, searchable, no embedded glyph paths
+    "svg.hashsalt": "gemma4-conformance",  # deterministic ids
+    "font.family": "sans-serif", "font.sans-serif": ["DejaVu Sans"], "font.size": 7, "axes.titlesize": 7, "axes.labelsize": 7,
+    "xtick.labelsize": 6, "ytick.labelsize": 6, "legend.fontsize": 6,
+    "axes.spines.top": False, "axes.spines.right": False, "axes.linewidth": 0.6,
+}
+
+
+# ----------------------------------------------------------------------------------------- formatting
+
+def fmt(value) -> str:
+    """A number for a reader: 3 significant digits, "∞", "—" for not measured."""
+    x = number(value)
+    if x is None:
+        return "—"
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "∞" if x > 0 else "−∞"
+    if x == 0:
+        return "0"
+    if 1e-3 <= abs(x) < 1e3:
+        return f"{x:.3g}"
+    if 1e3 <= abs(x) < 1e6:
+        return f"{x:.0f}"
+    return f"{x:.2e}"
+
+
+def percent(passed: int, tested: int) -> str:
+    if not tested:
+        return "—"
+    p = 100 * passed / tested
+    return f"{math.floor(p) if passed < tested else 100:.0f}%"
+
+
+def status(result: dict | None) -> str:
+    """The cell's colour class: fail, warn (headroom < 1.5), ok, unsup, notrun, none (not tested)."""
+    if result is None:
+        return "none"
+    outcome, headroom = result["outcome"], number(result["headroom"])
+    if outcome == "unsupported":
+        return "unsup"
+    if outcome in ("failed", "errored") or (headroom is not None and headroom < 1):
+        return "fail"
+    if outcome == "not run":
+        return "notrun"
+    if headroom is not None and headroom < WARN_HEADROOM:
+        return "warn"
+    return "ok"
+
+
+def over(result: dict) -> float | None:
+    """How many times its budget the worst error is (the reciprocal of the headroom)."""
+    m, b = number(result["max_ulps"]), number(result["budget_ulps"])
+    return m / b if m is not None and b else None
+
+
+# ----------------------------------------------------------------------------------------- charts
+
+_SVG_START = re.compile(r"^.*?(?=<svg\b)", re.DOTALL)
+_DROP = re.compile(r"<metadata>.*?</metadata>|<!--.*?-->|\s+xmlns(?::\w+)?=\"[^\"]*\"", re.DOTALL)
+_IDS = re.compile(r"(\bid=\"|url\(#|href=\"#)([^\")]+)")
+
+
+_PATH_DATA = re.compile(r'\bd="([^"]*)"')
+_DECIMALS = re.compile(r"(\.\d)\d+")
+_NUMBER_ATTR = re.compile(r'\b([xy])="(-?\d+\.\d)\d*"')
+_NO_ROTATION = re.compile(r' transform="rotate\(-?0 [^"]*\)"')
+
+
+def _svg(fig: Figure, prefix: str) -> Markup:
+    """The figure as inline SVG: no XML prologue, namespaces or metadata, ids made unique to the page,
+    path coordinates to 0.1 pt and indentation dropped (a third of the size)."""
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    svg = _DROP.sub("", _SVG_START.sub("", buf.getvalue(), count=1))
+    svg = _IDS.sub(lambda m: f"{m.group(1)}{prefix}{m.group(2)}", svg)
+    svg = _PATH_DATA.sub(lambda m: 'd="' + _DECIMALS.sub(r"\1", " ".join(m.group(1).split())) + '"', svg)
+    svg = _NUMBER_ATTR.sub(r'\1="\2"', _NO_ROTATION.sub("", svg))
+    return Markup(re.sub(r">\s+<", "><", svg.strip()))
+
+
+def _figure(width: float, height: float, layout: str | None = "constrained") -> Figure:
+    fig = Figure(figsize=(width, height), layout=layout)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def histogram_chart(results: list[dict], prefix: str) -> Markup | None:
+    """Small multiples: one panel per op, its examples' largest errors (ULPs), the budget dashed."""
+    panels = [r for r in results if r["histogram"]]
+    if not panels:
+        return None
+    ncols = min(5, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    row, width = 1.2, 1.75  # inches per panel
+    with matplotlib.rc_context(_RC):
+        # Fixed margins rather than a layout engine: several times faster on 25 panels.
+        fig = _figure(width * ncols, row * nrows + 0.2, layout=None)
+        height = row * nrows + 0.2
+        axes = fig.subplots(nrows, ncols, squeeze=False, gridspec_kw={
+            "left": 0.1 / (width * ncols), "right": 1 - 0.15 / (width * ncols), "top": 1 - 0.2 / height,
+            "bottom": 0.38 / height, "hspace": 0.75, "wspace": 0.08}).ravel()
+        for ax, r in zip(axes, panels):
+            values = [v for v in map(number, r["histogram"]) if v is not None and math.isfinite(v)]
+            budget = number(r["budget_ulps"]) or 0.0
+            top = max([*values, budget]) * 1.08 or 1.0
+            counts, edges = np.histogram(values, bins=24, range=(0, top))
+            ax.stairs(counts, edges, fill=True, color=COLOURS[status(r)], alpha=0.85)
+            if budget:
+                ax.axvline(budget, color="#495057", lw=0.8, ls="--")
+            ax.set_title(f"{r['op']}  ({fmt(r['max_ulps'])} / {fmt(r['budget_ulps'])})", loc="left",
+                         parse_math=False)  # a name from a document is plain text, never mathtext
+            ax.set_yticks([])
+            ax.set_xlim(0, top)
+            ax.xaxis.set_major_locator(MaxNLocator(4))
+            ax.tick_params(length=2, pad=1)
+        for ax in axes[len(panels):]:
+            ax.set_axis_off()
+        for ax in axes[(nrows - 1) * ncols:]:
+            ax.set_xlabel("ULPs at the op's scale")
+        return _svg(fig, prefix)
+
+
+def forward_chart(entry: dict, prefix: str) -> Markup | None:
+    """Per-layer relative error against the certified reference, candidate vs baseline, log scale."""
+    def positive(values):
+        out = [number(v) for v in values]
+        return [v if v is not None and v > 0 and math.isfinite(v) else math.nan for v in out]
+
+    candidate, baseline = positive(entry["layers"]["candidate"]), positive(entry["layers"]["baseline"])
+    if all(math.isnan(v) for v in candidate + baseline):  # no positive finite value: nothing to draw on a log axis
+        return None
+    factor, floor = number(entry["factor"]), number(entry["floor"])
+    layers = list(range(len(candidate)))
+    with matplotlib.rc_context(_RC):
+        fig = _figure(4.2, 2.3)
+        ax = fig.subplots()
+        if factor is not None:
+            allowed = [max(factor * b, floor or 0) if not math.isnan(b) else math.nan for b in baseline]
+            ax.plot(layers, allowed, color="#adb5bd", lw=0.8, ls=":", label=f"allowed ({fmt(factor)}x baseline)")
+        ax.plot(layers, baseline, color="#495057", lw=1.0, ls="--", label="baseline (plain, same dtype)")
+        ax.plot(layers, candidate, color=COLOURS["fail" if entry["outcome"] == "failed" else "ok"], lw=1.3,
+                label="candidate")
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("relative error vs reference")
+        ax.legend(loc="best", frameon=False)
+        ax.tick_params(length=2, pad=1)
+        return _svg(fig, prefix)
+
+
+# ----------------------------------------------------------------------------------------- the page
+
+def _dtype_key(dtype: str):
+    return (DTYPE_ORDER.index(dtype), "") if dtype in DTYPE_ORDER else (len(DTYPE_ORDER), dtype)
+
+
+def _labels(documents: list[dict], labels) -> list[str]:
+    """The documents' labels: as given, else each environment's ``label``, else "report N"; made unique."""
+    if labels is not None:
+        if len(labels) != len(documents):
+            raise ValueError(f"{len(labels)} labels for {len(documents)} documents")
+    else:
+        labels = [d["environment"].get("label") or f"report {i + 1}" for i, d in enumerate(documents)]
+    labels = [str(label) for label in labels]
+    return [f"{label} ({labels[:i].count(label) + 1})" if labels.count(label) > 1 else label
+            for i, label in enumerate(labels)]
+
+
+def _environment_rows(env: dict) -> list[tuple[str, str]]:
+    rows = []
+    for key, value in env.items():
+        if key == "libraries" and isinstance(value, dict):
+            value = ", ".join(f"{name} {version}" for name, version in value.items()) or "none found"
+        elif key == "accelerators" and isinstance(value, list):
+            value = ", ".join(map(str, value)) or "none seen"
+        elif not isinstance(value, str):
+            value = json.dumps(value)
+        rows.append((key.replace("_", " "), value))
+    return rows
+
+
+def context(documents: list[dict], labels=None, title: str | None = None) -> dict:
+    """Everything the template shows, computed from the documents (validated first)."""
+    for i, d in enumerate(documents):
+        validate(d, f"document {i + 1}")
+    doc_labels = _labels(documents, labels)
+
+    # Columns: (document, backend) pairs in order of appearance; a backend seen in several documents
+    # carries the document's label.
+    seen_in: dict[str, set[int]] = {}
+    for i, d in enumerate(documents):
+        for entry in d["results"] + d["forward"]:
+            seen_in.setdefault(entry["backend"], set()).add(i)
+
+    def label(i: int, backend: str) -> str:
+        return f"{backend} · {doc_labels[i]}" if len(seen_in.get(backend, ())) > 1 else backend
+
+    columns, ops, dtypes, cells = [], [], set(), {}
+    for i, d in enumerate(documents):
+        for r in d["results"]:
+            key = (i, r["backend"])
+            if key not in columns:
+                columns.append(key)
+            if r["op"] not in ops:
+                ops.append(r["op"])
+            dtypes.add(r["dtype"])
+            cells[i, r["backend"], r["dtype"], r["op"]] = r
+    forward = {(i, f["backend"], f["dtype"]): f for i, d in enumerate(documents) for f in d["forward"]}
+    dtypes = sorted(dtypes | {dt for _, _, dt in forward}, key=_dtype_key)
+    column_labels = [label(i, b) for i, b in columns]
+    counter = itertools.count(1)
+
+    def command(text: str) -> dict | None:
+        return {"id": f"cmd-{next(counter)}", "text": text} if text else None
+
+    # Failures, worst first within a backend and dtype.
+    failures, anchors = [], {}
+    for c, (i, backend) in enumerate(columns):
+        for dtype in dtypes:
+            failing = [r for op in ops if (r := cells.get((i, backend, dtype, op))) is not None and status(r) == "fail"]
+            failing.sort(key=lambda r: (r["outcome"] != "errored", -(over(r) or 0.0)))  # errored, then worst
+            for r in failing:
+                anchor = f"fail-{len(failures) + 1}"
+                anchors[i, backend, dtype, r["op"]] = anchor
+                failures.append({"anchor": anchor, "column": column_labels[c], "dtype": dtype, "op": r["op"],
+                                 "outcome": r["outcome"], "max": fmt(r["max_ulps"]), "budget": fmt(r["budget_ulps"]),
+                                 "over": fmt(over(r)) if over(r) is not None else None,
+                                 "examples": r["examples"], "formula": r["budget_formula"],
+                                 "message": r["message"], "rerun": command(r["rerun"])})
+    forward_failures = [{"column": label(i, b), "dtype": dt, "failures": f["failures"]}
+                        for (i, b, dt), f in forward.items() if f["outcome"] == "failed"]
+
+    # % conformant per column and dtype.
+    conformance = []
+    for c, (i, backend) in enumerate(columns):
+        row, total_passed, total_tested, total_unsupported = [], 0, 0, 0
+        for dtype in dtypes:
+            rs = [r for op in ops if (r := cells.get((i, backend, dtype, op))) is not None]
+            tested = [r for r in rs if r["outcome"] != "unsupported"]
+            passed = sum(status(r) in ("ok", "warn") for r in tested)
+            unsupported = len(rs) - len(tested)
+            total_passed, total_tested, total_unsupported = (total_passed + passed, total_tested + len(tested),
+                                                             total_unsupported + unsupported)
+            row.append({"percent": percent(passed, len(tested)), "passed": passed, "tested": len(tested),
+                        "unsupported": unsupported,
+                        "cls": "none" if not tested else ("ok" if passed == len(tested) else "fail")})
+        conformance.append({"column": column_labels[c], "cells": row,
+                            "total": {"percent": percent(total_passed, total_tested), "passed": total_passed,
+                                      "tested": total_tested, "unsupported": total_unsupported}})
+
+    # The matrix: a row per op, a cell per dtype x column.
+    def cell(i, backend, dtype, op):
+        r = cells.get((i, backend, dtype, op))
+        cls = status(r)
+        if r is None:
+            return {"cls": cls, "text": "", "sub": "", "title": f"{backend} {dtype} {op}: not tested", "href": None}
+        if r["max_ulps"] is None:
+            text = r["outcome"]
+        else:
+            text = f"{fmt(r['max_ulps'])} / {fmt(r['budget_ulps'])}"
+        sub = "" if r["headroom"] is None else f"{fmt(r['headroom'])}x"
+        title = (f"{backend} {dtype} {op}: {r['outcome']}, {r['examples']} examples, max {fmt(r['max_ulps'])} ULPs, "
+                 f"p99 {fmt(r['p99_ulps'])}, median {fmt(r['median_ulps'])}, budget {fmt(r['budget_ulps'])} "
+                 f"({r['budget_formula'] or '?'}), headroom {fmt(r['headroom'])}")
+        return {"cls": cls, "text": text, "sub": sub, "title": title,
+                "href": "#" + anchors[i, backend, dtype, op] if (i, backend, dtype, op) in anchors else None}
+
+    matrix = [{"op": op, "cells": [cell(i, b, dtype, op) for dtype in dtypes for i, b in columns]} for op in ops]
+    forward_row = []
+    for dtype in dtypes:
+        for i, b in columns:
+            f = forward.get((i, b, dtype))
+            if f is None:
+                forward_row.append({"cls": "none", "text": "", "sub": "", "title": "", "href": None})
+                continue
+            c, base = number(f["logits"]["candidate"]), number(f["logits"]["baseline"])
+            ratio = c / base if c is not None and base else None
+            forward_row.append({"cls": "fail" if f["outcome"] == "failed" else "ok", "text": f["outcome"],
+                                "sub": f"logits {fmt(ratio)}x baseline" if ratio is not None else "",
+                                "title": f"{b} {dtype} forward: logits relative error {fmt(c)} "
+                                         f"(baseline {fmt(base)}), top-1 agreement {fmt(f['top1_agreement'])}",
+                                "href": "#forward"})
+
+    # Passing ops closest to their budget, per column.
+    closest = []
+    for c, (i, backend) in enumerate(columns):
+        passing = [r for r in documents[i]["results"] if r["backend"] == backend and status(r) in ("ok", "warn")
+                   and number(r["headroom"]) is not None and math.isfinite(number(r["headroom"]))]
+        passing.sort(key=lambda r: number(r["headroom"]))
+        for r in passing[:CLOSEST_PER_COLUMN]:
+            closest.append({"column": column_labels[c], "dtype": r["dtype"], "op": r["op"], "cls": status(r),
+                            "max": fmt(r["max_ulps"]), "budget": fmt(r["budget_ulps"]), "headroom": fmt(r["headroom"]),
+                            "p99": fmt(r["p99_ulps"]), "examples": r["examples"], "rerun": command(r["rerun"])})
+
+    # Charts.
+    charts = itertools.count(1)
+    histograms = []
+    for c, (i, backend) in enumerate(columns):
+        for dtype in dtypes:
+            rs = [r for op in ops if (r := cells.get((i, backend, dtype, op))) is not None]
+            svg = histogram_chart(rs, f"h{next(charts)}-")
+            if svg is not None:
+                histograms.append({"column": column_labels[c], "dtype": dtype, "svg": svg})
+    forwards = []
+    for (i, b, dtype), f in sorted(forward.items(), key=lambda kv: (kv[0][0], kv[0][1], _dtype_key(kv[0][2]))):
+        forwards.append({"column": label(i, b), "dtype": dtype, "outcome": f["outcome"],
+                         "svg": forward_chart(f, f"f{next(charts)}-"), "layers": len(f["layers"]["candidate"]),
+                         "logits": (fmt(f["logits"]["candidate"]), fmt(f["logits"]["baseline"])),
+                         "gap": (fmt(f["logprob_gap"]["candidate"]), fmt(f["logprob_gap"]["baseline"])),
+                         "top1": fmt(100 * number(f["top1_agreement"])) + "%"
+                         if number(f["top1_agreement"]) is not None else "—",
+                         "failures": f["failures"]})
+
+    environments = [{"label": doc_labels[i], "rows": _environment_rows(d["environment"]),
+                     "backends": sorted({r["backend"] for r in d["results"] + d["forward"]})}
+                    for i, d in enumerate(documents)]
+    n_results = sum(len(d["results"]) for d in documents)
+    return {
+        "title": title or "Gemma 4 conformance report",
+        "documents": environments,
+        "multiple": len(documents) > 1,
+        "columns": column_labels,
+        "dtypes": dtypes,
+        "ops": ops,
+        "failures": failures,
+        "forward_failures": forward_failures,
+        "conformance": conformance,
+        "matrix": matrix,
+        "forward_row": forward_row if forward_row and any(c["text"] for c in forward_row) else None,
+        "closest": closest,
+        "histograms": histograms,
+        "forwards": forwards,
+        "n_results": n_results,
+        "warn_headroom": fmt(WARN_HEADROOM),
+        "colours": COLOURS,
+    }
+
+
+@cache
+def _template() -> jinja2.Template:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    return env.get_template("report.html.j2")
+
+
+def render(documents: list[dict], labels: list[str] | None = None, title: str | None = None) -> str:
+    """One self-contained HTML page showing ``documents`` (report documents) side by side.
+
+    ``labels`` name the documents (default: each environment's ``label``, else "report N"); they
+    tell apart a backend that occurs in several documents.
+    """
+    return _template().render(**context(list(documents), labels, title))
+
+
+def write(path, documents: list[dict], labels: list[str] | None = None, title: str | None = None) -> Path:
+    """Render ``documents`` to the HTML file ``path`` (its folder is created); returns the path."""
+    path = Path(path)
+    page = render(documents, labels, title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    return path

@@ -1,0 +1,253 @@
+"""The report: the JSON document of a run, its schema checks, and the self-contained HTML page."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from datetime import datetime
+from html.parser import HTMLParser
+from types import SimpleNamespace
+
+import pytest
+
+import report
+from properties.budget import budget
+from properties.record import Recorder
+from report.__main__ import main
+
+ROPE_COMMAND = ("pytest 'properties/test_agreement.py::test_matches_oracle[torch-bfloat16-rope]' --backend=torch "
+                "--case='{\"args\":{\"x\":{\"seed\":7}}}'")
+HOSTILE = "<script>alert(1)</script>"
+
+
+def _record(recorder, backend, dtype, op, errors, budget_ulps, outcome, message=""):
+    record = recorder(backend, dtype, op)
+    for k, e in enumerate(errors):
+        case = {"args": {"x": {"seed": k}}}
+        record.add(e, budget_ulps, case, f"pytest 'properties/test_agreement.py::test_matches_oracle"
+                                         f"[{backend}-{dtype}-{op}]' --backend={backend} --case='{json.dumps(case)}'")
+    record.outcome, record.message = outcome, message
+    return record
+
+
+def make_recorder(backend: str = "torch") -> Recorder:
+    recorder = Recorder()
+    rope = _record(recorder, backend, "bfloat16", "rope", [1.0, 2.5, 7.1, 0.5], 4.5, "failed",
+                   f"error 7.1 ULPs at the op's scale > budget 4.5 {HOSTILE}")
+    rope.worst_command = ROPE_COMMAND.replace("torch", backend)
+    _record(recorder, backend, "bfloat16", "softmax", [0.1, 0.4, 0.2], 3.0, "passed")
+    _record(recorder, backend, "bfloat16", "linear", [], 0.0, "unsupported")
+    _record(recorder, backend, "float32", "rope", [3.0, 3.5], 4.5, "passed")  # headroom 1.29: orange
+    _record(recorder, backend, "float32", "silu", [0.0, 0.0], 9.5, "passed")  # exact: infinite headroom
+    _record(recorder, backend, "float32", "sigmoid", [], 0.0, "errored", "returned float64 for float32 input")
+    layers = [(1e-3 * (1 + i / 4), 1e-3 * (1 + i / 5)) for i in range(6)]
+    recorder.forward[backend, "bfloat16"] = SimpleNamespace(layers=layers, logits=(2e-3, 1.6e-3), top1_agreement=1.0,
+                                                            logprob_gap=(0.01, 0.008), failures=[])
+    recorder.forward[backend, "float32"] = SimpleNamespace(
+        layers=[(1e-5, 1e-7)] * 3, logits=(1e-5, 1e-7), top1_agreement=0.75, logprob_gap=(0.2, 1e-6),
+        failures=["layer 0: relative error 1e-05 > 3.0 x baseline 1e-07 (floor 9.5e-07)"])
+    return recorder
+
+
+@pytest.fixture(scope="module")
+def doc():
+    return report.document(make_recorder(), report.environment(label="ci"))
+
+
+@pytest.fixture(scope="module")
+def page(doc):
+    return report.render([doc])
+
+
+def _result(doc, dtype, op):
+    return next(r for r in doc["results"] if (r["dtype"], r["op"]) == (dtype, op))
+
+
+def _section(page, start, end):
+    return page[page.index(f'id="{start}"'):page.index(f'id="{end}"')]
+
+
+# ----------------------------------------------------------------------------------------- the document
+
+def test_the_document_round_trips_through_strict_json_and_load(doc, tmp_path):
+    path = report.dump(doc, tmp_path / "sub" / "run.json")
+    text = path.read_text()
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
+    assert report.load(path) == doc
+    assert doc["schema"] == "gemma4-conformance-report" and doc["version"] == 1
+
+
+def test_a_result_entry_carries_the_measurements_budget_and_rerun(doc):
+    rope = _result(doc, "bfloat16", "rope")
+    assert (rope["backend"], rope["outcome"], rope["examples"]) == ("torch", "failed", 4)
+    assert rope["max_ulps"] == 7.1 and rope["budget_ulps"] == 4.5
+    assert rope["headroom"] == pytest.approx(4.5 / 7.1)
+    assert rope["median_ulps"] == pytest.approx(1.75) and 2.5 < rope["p99_ulps"] <= 7.1
+    assert rope["budget_formula"] == budget("rope", "bfloat16").formula
+    assert rope["error_model"] == budget("rope", "bfloat16").model
+    assert rope["worst_case"] == {"args": {"x": {"seed": 2}}}
+    assert rope["rerun"] == ROPE_COMMAND and HOSTILE in rope["message"]
+    assert rope["histogram"] == [1.0, 2.5, 7.1, 0.5]
+    unsupported = _result(doc, "bfloat16", "linear")
+    assert unsupported["outcome"] == "unsupported" and unsupported["examples"] == 0
+    assert all(unsupported[k] is None for k in ("max_ulps", "p99_ulps", "median_ulps", "budget_ulps", "headroom"))
+    exact = _result(doc, "float32", "silu")
+    assert exact["headroom"] == "inf" and report.number(exact["headroom"]) == float("inf")
+    # Sorted by dtype in the suite's order, then op in the contract's.
+    assert [(r["dtype"], r["op"]) for r in doc["results"]] == [
+        ("float32", "sigmoid"), ("float32", "silu"), ("float32", "rope"),
+        ("bfloat16", "rope"), ("bfloat16", "linear"), ("bfloat16", "softmax")]
+
+
+def test_a_forward_entry_has_per_layer_errors_and_the_verdict(doc):
+    bf16, fp32 = (next(f for f in doc["forward"] if f["dtype"] == d) for d in ("bfloat16", "float32"))
+    assert bf16["outcome"] == "passed" and len(bf16["layers"]["candidate"]) == 6 == len(bf16["layers"]["baseline"])
+    assert bf16["logits"] == {"candidate": 2e-3, "baseline": 1.6e-3}
+    assert bf16["logprob_gap"] == {"candidate": 0.01, "baseline": 0.008} and bf16["top1_agreement"] == 1.0
+    assert bf16["factor"] == 3.0 and bf16["floor"] > 0
+    assert fp32["outcome"] == "failed" and fp32["failures"][0].startswith("layer 0")
+
+
+def test_the_histogram_is_capped_and_keeps_the_extremes():
+    recorder = Recorder()
+    _record(recorder, "numpy", "float32", "sigmoid", [i / 100 for i in range(2000)], 30.0, "passed")
+    entry = report.document(recorder, {})["results"][0]
+    assert len(entry["histogram"]) == 500 and entry["examples"] == 2000
+    assert min(entry["histogram"]) == 0.0 and max(entry["histogram"]) == 19.99 == entry["max_ulps"]
+
+
+def test_the_environment_names_suite_libraries_python_cpu_and_date():
+    env = report.environment(command="pytest --backend=numpy")
+    assert isinstance(env["suite_version"], str) and env["suite_version"]
+    assert env["libraries"]["numpy"] and env["libraries"]["mpmath"] and env["libraries"]["hypothesis"]
+    assert env["python"][0] == "3" and env["cpu"] and env["platform"]
+    assert datetime.fromisoformat(env["date"]).tzinfo is not None
+    assert env["command"] == "pytest --backend=numpy"
+    json.dumps(env, allow_nan=False)
+
+
+@pytest.mark.parametrize("mutate, says", [
+    (lambda d: d.update(schema="something-else"), "not a gemma4-conformance-report"),
+    (lambda d: d.update(version=2), "version 2 is newer"),
+    (lambda d: d.update(version="1"), '"version" is'),
+    (lambda d: d.pop("results"), '"results" is missing'),
+    (lambda d: d["results"][1].pop("rerun"), "results[1] lacks the field 'rerun'"),
+    (lambda d: d["results"][0].update(outcome="great"), "results[0].outcome is 'great'"),
+    (lambda d: d["results"][0].update(max_ulps="lots"), "results[0].max_ulps is 'lots'"),
+    (lambda d: d["forward"][0]["logits"].pop("baseline"), "forward[0].logits needs"),
+])
+def test_load_refuses_a_broken_report_and_names_the_file(doc, tmp_path, mutate, says):
+    broken = json.loads(json.dumps(doc))
+    mutate(broken)
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(broken))
+    with pytest.raises(report.ReportError) as e:
+        report.load(path)
+    assert str(path) in str(e.value) and says in str(e.value)
+
+
+@pytest.mark.parametrize("text, says", [("{not json", "invalid JSON at line 1"), ("[1, 2]", "top level is list")])
+def test_load_refuses_what_is_not_a_report(tmp_path, text, says):
+    path = tmp_path / "junk.json"
+    path.write_text(text)
+    with pytest.raises(report.ReportError, match=re.escape(str(path))) as e:
+        report.load(path)
+    assert says in str(e.value)
+    with pytest.raises(report.ReportError, match="cannot read"):
+        report.load(tmp_path / "missing.json")
+
+
+# ----------------------------------------------------------------------------------------- the page
+
+class _Matrix(HTMLParser):
+    """The rows (data-op) and cell classes of the page's conformance matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows, self.inside = {}, False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "table" and attrs.get("id") == "matrix-table":
+            self.inside = True
+        elif self.inside and tag == "tr" and "data-op" in attrs:
+            self.rows[attrs["data-op"]] = []
+        elif self.inside and tag == "td" and "cell" in attrs.get("class", "") and self.rows:
+            self.rows[list(self.rows)[-1]].append(attrs["class"].split()[1])
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self.inside = False
+
+
+def matrix(page):
+    parser = _Matrix()
+    parser.feed(page)
+    return parser.rows
+
+
+def test_the_matrix_has_every_op_coloured_by_headroom(page):
+    rows = matrix(page)
+    assert set(rows) == {"sigmoid", "silu", "rope", "linear", "softmax", "forward"}
+    # Columns: float32 then bfloat16, one backend each.
+    assert rows["rope"] == ["warn", "fail"]
+    assert rows["softmax"] == ["none", "ok"] and rows["linear"] == ["none", "unsup"]
+    assert rows["sigmoid"] == ["fail", "none"] and rows["silu"] == ["ok", "none"]
+    assert rows["forward"] == ["fail", "ok"]
+    assert "7.1 / 4.5" in page
+
+
+def test_the_failures_section_comes_first_and_names_the_op_and_its_rerun(page):
+    failures = _section(page, "failures", "conformance")
+    assert page.index('id="failures"') < page.index('id="matrix"')
+    assert "rope" in failures and "bfloat16" in failures and "torch" in failures
+    assert ROPE_COMMAND not in failures and ROPE_COMMAND in html.unescape(failures)  # escaped, copyable as is
+    assert "1.58" in failures  # 7.1 / 4.5: by how much
+    assert "sigmoid" in failures and "returned float64" in failures  # errored ops count as failures
+    assert "layer 0: relative error" in failures  # and so does a failed forward
+    assert "softmax" not in failures
+
+
+def test_the_page_is_self_contained_with_inline_svg_charts(page):
+    assert page.count("<svg") == 4  # a histogram per backend x dtype, a forward chart per dtype
+    assert not re.search(r"\b(?:src|href)\s*=\s*[\"']?\s*(?:https?:)?//", page, re.IGNORECASE)
+    assert "http://" not in page and "https://" not in page
+    assert "<link" not in page and "<img" not in page and "<script src" not in page and "@import" not in page
+
+
+def test_everything_from_the_document_is_escaped(page):
+    assert HOSTILE not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def test_merge_shows_both_backends_side_by_side(doc, tmp_path, capsys):
+    torch_path = report.dump(doc, tmp_path / "torch.json")
+    jax_path = report.dump(report.document(make_recorder("jax"), report.environment()), tmp_path / "jax.json")
+    out = tmp_path / "merged.html"
+    assert main(["merge", str(out), str(torch_path), str(jax_path)]) == 0
+    assert "2 reports: jax, torch" in capsys.readouterr().out
+    page = out.read_text()
+    header = page[page.index('id="matrix-table"'):page.index("</thead>", page.index('id="matrix-table"'))]
+    assert header.count(">torch</th>") == 2 and header.count(">jax</th>") == 2  # per dtype, side by side
+    assert matrix(page)["rope"] == ["warn", "warn", "fail", "fail"]
+    failures = _section(page, "failures", "conformance")
+    assert ROPE_COMMAND in html.unescape(failures) and ROPE_COMMAND.replace("torch", "jax") in html.unescape(failures)
+
+
+def test_the_same_backend_from_two_machines_is_told_apart(doc, tmp_path):
+    a, b = report.dump(doc, tmp_path / "h100.json"), report.dump(doc, tmp_path / "a100.json")
+    out = tmp_path / "page.html"
+    assert main(["merge", str(out), str(a), str(b)]) == 0
+    page = out.read_text()
+    assert "torch · h100" in page and "torch · a100" in page
+    same = report.render([doc, doc])  # labelled by their environments: both "ci"
+    assert "torch · ci (1)" in same and "torch · ci (2)" in same
+
+
+def test_the_command_names_a_bad_input_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "other", "version": 1}))
+    assert main(["html", str(tmp_path / "out.html"), str(bad)]) == 2
+    assert str(bad) in capsys.readouterr().err
+    assert not (tmp_path / "out.html").exists()
