@@ -242,8 +242,13 @@ def _attention(draw, dtype, op):
         if op == "sliding_gqa":
             args["window"] = draw(st.integers(1, L + 3))
     # q and k of 2^qk per coordinate: logits from fractions of a unit to tens, never so large that
-    # their rounding in the dtype (u |logit|) exceeds about 1/16, where attention is well posed.
-    limit = math.floor(math.log2(1 / (16 * fmt(dtype).eps * max(args["scale"], 2.0**-20) * D)) / 2)
+    # their rounding in the dtype (u |logit|) exceeds about 1/16, where attention is well posed; and
+    # q.k before the scale (engines scale after the product), with coordinates up to 8 x 2^qk (the
+    # integers), within 1/16 of the dtype's range.
+    f = fmt(dtype)
+    well_posed = 1 / (16 * f.eps * max(args["scale"], 2.0**-20) * D)
+    in_range = f.max_finite / (16 * 64 * D)
+    limit = math.floor(math.log2(min(well_posed, in_range)) / 2)
     qk = draw(st.integers(min(-6, limit), min(4, limit)))
     smooth = ("normal", "uniform", "positive", "integers")
     args["q"] = draw(floats(q_shape, dtype, lo=qk, hi=qk, distributions=smooth))
