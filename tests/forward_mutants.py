@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from adapters import numpy_backend
-from fixtures.config import TextConfig
-from properties.forward import AdapterOps
-from spec.model import forward
+from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.fixtures.config import TextConfig
+from gemma4_conformance.properties.forward import AdapterOps
+from gemma4_conformance.spec.model import forward
 
 
 class Rewired(AdapterOps):

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 
-from adapters import numpy_backend as reference
-from spec import CONTRACT, fmt
+from gemma4_conformance.adapters import numpy_backend as reference
+from gemma4_conformance.spec import CONTRACT, fmt
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

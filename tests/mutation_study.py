@@ -35,10 +35,10 @@ class Run:
 
 def runs() -> list[Run]:
     table = [Run(m.__name__, op, dtype, f"tests.mutants:ADAPTERS.{m.__name__}",
-                 ("properties/test_agreement.py", "properties/test_relations.py", "-k", op))
+                 ("gemma4_conformance/properties/test_agreement.py", "gemma4_conformance/properties/test_relations.py", "-k", op))
              for op, dtype, m in mutants.MUTANTS]
     table += [Run(m.name, "forward", "float32,bfloat16", f"tests.forward_mutants:ADAPTERS.{m.name}",
-                  ("properties/test_forward.py", "-k", "test_forward_matches_reference"))
+                  ("gemma4_conformance/properties/test_forward.py", "-k", "test_forward_matches_reference"))
               for m in forward_mutants.MUTANTS]
     return table
 

@@ -19,10 +19,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fixtures import generate
-from fixtures.checkpoint import (INDEX_NAME, MULTIMODAL_PREFIX, SINGLE_NAME, TEXT_PREFIX, Checkpoint,
-                                 CheckpointError, expected_shapes, load)
-from fixtures.config import ConfigError, LayerSpec, TextConfig
+from gemma4_conformance.fixtures import generate
+from gemma4_conformance.fixtures.checkpoint import (
+    INDEX_NAME,
+    MULTIMODAL_PREFIX,
+    SINGLE_NAME,
+    TEXT_PREFIX,
+    Checkpoint,
+    CheckpointError,
+    expected_shapes,
+    load,
+)
+from gemma4_conformance.fixtures.config import ConfigError, LayerSpec, TextConfig
 
 FIXTURE_CONFIG = Path(generate.__file__).resolve().parent / "gemma-4-12B" / "config.json"
 SHARED_CONFIG = Path("/work/shared/gemma-4-12B/config.json")

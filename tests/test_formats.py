@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpmath import mp, mpf
 
-import spec
-from spec import FORMATS
+from gemma4_conformance import spec
+from gemma4_conformance.spec import FORMATS
 
 NAMES = tuple(FORMATS)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapters import numpy_backend
-from fixtures import checkpoint, generate
-from properties.forward import composed, judge_forward, reference
+from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.properties.forward import composed, judge_forward, reference
 from tests.forward_mutants import MUTANTS, ForwardMutant
 
 TOKENS = 24

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-import spec
-from fixtures import checkpoint, generate
-from properties.forward import reference
-from spec.model import OracleOps, forward
+from gemma4_conformance import spec
+from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.properties.forward import reference
+from gemma4_conformance.spec.model import OracleOps, forward
 
 
 def tiny_config() -> dict:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, target
 
-from adapters import numpy_backend
-from properties.harness import ContractViolation, case_json, judge
-from properties.strategies import cases
-from spec import OP_NAMES
+from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.properties.harness import ContractViolation, case_json, judge
+from gemma4_conformance.properties.strategies import cases
+from gemma4_conformance.spec import OP_NAMES
 from tests import mutants as m
 
 # Examples drawn per mutant at most; a mutant is usually caught within a few, and the search stops there.

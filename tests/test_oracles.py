@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from mpmath import mp, mpf
 
-import spec
-from spec import CONTRACT, OP_NAMES, ORACLES
+from gemma4_conformance import spec
+from gemma4_conformance.spec import CONTRACT, OP_NAMES, ORACLES
 
 PRECISIONS = (53, 64, 128)
 SLACK_BITS = 10

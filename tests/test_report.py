@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import report
-from properties.budget import budget
-from properties.record import Recorder
-from report.__main__ import main
+from gemma4_conformance import report
+from gemma4_conformance.properties.budget import budget
+from gemma4_conformance.properties.record import Recorder
+from gemma4_conformance.report.__main__ import main
 
 ROPE_COMMAND = ("pytest 'properties/test_agreement.py::test_matches_oracle[torch-bfloat16-rope]' --backend=torch "
                 "--case='{\"args\":{\"x\":{\"seed\":7}}}'")

@@ -16,7 +16,6 @@ from mpmath import mp, mpf
 from . import ORACLES
 from .exact import exact, get_precision
 
-
 VOCAB_CHUNK = 16384  # rows of the tied embedding in memory at once (240 MB in float32 at 12B)
 
 # The ops the graph calls: an adapter needs all of them (or its own forward) to run the model.

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from spec import fmt
+from gemma4_conformance.spec import fmt
 
 from .budget import ACCUMULATION, TAU, accumulation_ratio
 

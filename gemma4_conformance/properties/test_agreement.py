@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import shlex
-
 import pytest
 from hypothesis import given, target
 from hypothesis import strategies as st
 
-from .harness import ContractViolation, Unsupported, case_json, judge
+from .harness import ContractViolation, Unsupported, judge, rerun_command
 from .strategies import cases
-
-
-def _rerun(request, backend: str, case: dict) -> str:
-    return (f"pytest {shlex.quote(request.node.nodeid)} --backend={shlex.quote(backend)} "
-            f"--case={shlex.quote(case_json(case))}")
 
 
 def check(request, backend, adapter, dtype, op, case):
     """Judge one case, record it, and fail with the evidence and the command that reruns it."""
     record = request.config.conformance_recorder(adapter.name, dtype, op)
-    command = _rerun(request, backend, case)
+    command = rerun_command(request.node, backend, case)
     try:
         verdict = judge(adapter, op, case, dtype)
     except Unsupported as e:

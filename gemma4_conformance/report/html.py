@@ -5,16 +5,19 @@ fetches nothing (a Content-Security-Policy forbids it): styles and a few lines o
 and every chart is an inline SVG drawn by matplotlib (Agg canvas, text kept as text).  The markup
 comes from ``templates/report.html.j2`` with autoescaping on; the only unescaped strings are the SVGs.
 
-Sections, in order: failures (every failed or errored op and failed forward, worst first, with the
-message and the command that reruns the worst case), % conformant per backend and dtype, the
+Sections, in order: what broke (tests where the adapter raised or the suite errored), failures
+(every failed or errored op, failed theorem and failed forward, worst first, with the message and the
+command that reruns the worst case), known deviations (excused failures with their reasons, and
+entries that matched nothing or no longer deviate), % conformant per backend and dtype, the
 conformance matrix (ops x dtypes, backends side by side within a dtype; each cell max ULPs / budget,
-coloured red failed, orange passed with headroom under 1.5, green passed, grey unsupported), the
-passing ops closest to their budget with their rerun commands, the error histograms (one chart per
-backend x dtype, one panel per op, the budget dashed), the full forward (per-layer relative error of
-candidate and baseline, log scale), and each document's environment.
+coloured red failed, violet known deviation, orange passed with headroom under 1.5, green passed,
+grey unsupported), the spec's theorems (held or not, same layout), the passing ops closest to their
+budget with their rerun commands, the error histograms (one chart per backend x dtype, one panel per
+op, the budget dashed), the full forward (per-layer relative error of candidate and baseline, log
+scale), and each document's environment.
 
 With several documents, a backend that occurs in more than one is labelled ``backend · label``,
-the label being the document's (the file's name for ``python -m report merge``).
+the label being the document's (the file's name for ``gemma4-conformance-report merge``).
 """
 
 from __future__ import annotations
@@ -40,13 +43,13 @@ from .data import DTYPE_ORDER, number, validate
 TEMPLATES = Path(__file__).with_name("templates")
 WARN_HEADROOM = 1.5  # a passing op with less headroom than this is shown orange
 CLOSEST_PER_COLUMN = 10  # passing ops listed per backend in "closest to budget"
-COLOURS = {"fail": "#e03131", "warn": "#f08c00", "ok": "#2f9e44", "unsup": "#adb5bd", "notrun": "#868e96",
-           "none": "#dee2e6"}
+COLOURS = {"fail": "#e03131", "known": "#9c36b5", "warn": "#f08c00", "ok": "#2f9e44", "unsup": "#adb5bd",
+           "notrun": "#868e96", "none": "#dee2e6"}
 _RC = {
     "svg.fonttype": "none",  # text stays text: small, searchable, no embedded glyph paths
     "svg.hashsalt": "gemma4-conformance",  # deterministic ids
-    "font.family": "sans-serif", "font.sans-serif": ["DejaVu Sans"], "font.size": 7, "axes.titlesize": 7, "axes.labelsize": 7,
-    "xtick.labelsize": 6, "ytick.labelsize": 6, "legend.fontsize": 6,
+    "font.family": "sans-serif", "font.sans-serif": ["DejaVu Sans"], "font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8,
+    "xtick.labelsize": 7, "ytick.labelsize": 7, "legend.fontsize": 7,
     "axes.spines.top": False, "axes.spines.right": False, "axes.linewidth": 0.6,
 }
 
@@ -79,12 +82,15 @@ def percent(passed: int, tested: int) -> str:
 
 
 def status(result: dict | None) -> str:
-    """The cell's colour class: fail, warn (headroom < 1.5), ok, unsup, notrun, none (not tested)."""
+    """The cell's colour class: fail, known (an excused failure), warn (headroom < 1.5), ok, unsup,
+    notrun, none (not tested). Theorems (no headroom) are ok, known, fail, unsup or notrun."""
     if result is None:
         return "none"
-    outcome, headroom = result["outcome"], number(result["headroom"])
+    outcome, headroom = result["outcome"], number(result.get("headroom"))
     if outcome == "unsupported":
         return "unsup"
+    if outcome == "known deviation":
+        return "known"
     if outcome in ("failed", "errored") or (headroom is not None and headroom < 1):
         return "fail"
     if outcome == "not run":
@@ -185,10 +191,11 @@ def forward_chart(entry: dict, prefix: str) -> Markup | None:
             allowed = [max(factor * b, floor or 0) if not math.isnan(b) else math.nan for b in baseline]
             ax.plot(layers, allowed, color="#adb5bd", lw=0.8, ls=":", label=f"allowed ({fmt(factor)}x baseline)")
         ax.plot(layers, baseline, color="#495057", lw=1.0, ls="--", label="baseline (plain, same dtype)")
-        ax.plot(layers, candidate, color=COLOURS["fail" if entry["outcome"] == "failed" else "ok"], lw=1.3,
+        ax.plot(layers, candidate, color=COLOURS[status(entry)], lw=1.3,
                 label="candidate")
         ax.set_yscale("log")
         ax.set_xlabel("layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("relative error vs reference")
         ax.legend(loc="best", frameon=False)
         ax.tick_params(length=2, pad=1)
@@ -253,7 +260,8 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
             dtypes.add(r["dtype"])
             cells[i, r["backend"], r["dtype"], r["op"]] = r
     forward = {(i, f["backend"], f["dtype"]): f for i, d in enumerate(documents) for f in d["forward"]}
-    dtypes = sorted(dtypes | {dt for _, _, dt in forward}, key=_dtype_key)
+    dtypes = sorted(dtypes | {dt for _, _, dt in forward} | {r["dtype"] for d in documents for r in d["relations"]},
+                    key=_dtype_key)
     column_labels = [label(i, b) for i, b in columns]
     counter = itertools.count(1)
 
@@ -277,6 +285,43 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     forward_failures = [{"column": label(i, b), "dtype": dt, "failures": f["failures"]}
                         for (i, b, dt), f in forward.items() if f["outcome"] == "failed"]
 
+    # The spec's theorems: failures, and a matrix like the ops'.
+    relations, relation_names = {}, []
+    for i, d in enumerate(documents):
+        for r in d["relations"]:
+            relations[i, r["backend"], r["dtype"], r["relation"]] = r
+            if r["relation"] not in relation_names:
+                relation_names.append(r["relation"])
+            if (i, r["backend"]) not in columns:
+                columns.append((i, r["backend"]))
+                column_labels.append(label(i, r["backend"]))
+    relation_failures = [{"column": label(i, b), "dtype": dt, "relation": name, "outcome": r["outcome"],
+                          "ops": ", ".join(r["ops"]), "message": r["message"], "rerun": command(r["rerun"])}
+                         for (i, b, dt, name), r in relations.items() if status(r) == "fail"]
+
+    def relation_cell(i, backend, dtype, name):
+        r = relations.get((i, backend, dtype, name))
+        if r is None:
+            return {"cls": "none", "text": "", "title": f"{backend} {dtype} {name}: not checked"}
+        text = {"passed": "held", "failed": "violated"}.get(r["outcome"], r["outcome"])
+        return {"cls": status(r), "text": text,
+                "title": f"{backend} {dtype} {name} ({', '.join(r['ops'])}): {r['outcome']}, {r['examples']} examples"
+                         + (f"; {r['message']}" if r["message"] else "")}
+
+    relation_matrix = [{"relation": name, "cells": [relation_cell(i, b, dtype, name) for dtype in dtypes
+                                                     for i, b in columns]} for name in relation_names]
+
+    # What broke, and the known deviations (excused results, and the files' stale or unmatched entries).
+    problems = [{"label": doc_labels[i], **p} for i, d in enumerate(documents) for p in d["problems"]]
+    excused = [{"column": label(i, e["backend"]), "dtype": e["dtype"],
+                "subject": e.get("op") or e.get("relation") or "full forward", "reason": e["deviation"],
+                "detail": (f"{fmt(e['max_ulps'])} ULPs against {fmt(e['budget_ulps'])}" if "max_ulps" in e
+                           else e.get("message") or "; ".join(e.get("failures", [])))}
+               for i, d in enumerate(documents) for e in d["results"] + d["relations"] + d["forward"]
+               if e["outcome"] == "known deviation"]
+    stale = [{"label": doc_labels[i], **e} for i, d in enumerate(documents) for e in d["deviations"]
+             if e["status"] != "excused"]
+
     # % conformant per column and dtype.
     conformance = []
     for c, (i, backend) in enumerate(columns):
@@ -293,7 +338,9 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                         "cls": "none" if not tested else ("ok" if passed == len(tested) else "fail")})
         conformance.append({"column": column_labels[c], "cells": row,
                             "total": {"percent": percent(total_passed, total_tested), "passed": total_passed,
-                                      "tested": total_tested, "unsupported": total_unsupported}})
+                                      "tested": total_tested, "unsupported": total_unsupported,
+                                      "cls": "none" if not total_tested else
+                                      ("ok" if total_passed == total_tested else "fail")}})
 
     # The matrix: a row per op, a cell per dtype x column.
     def cell(i, backend, dtype, op):
@@ -322,7 +369,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                 continue
             c, base = number(f["logits"]["candidate"]), number(f["logits"]["baseline"])
             ratio = c / base if c is not None and base else None
-            forward_row.append({"cls": "fail" if f["outcome"] == "failed" else "ok", "text": f["outcome"],
+            forward_row.append({"cls": status(f), "text": f["outcome"],
                                 "sub": f"logits {fmt(ratio)}x baseline" if ratio is not None else "",
                                 "title": f"{b} {dtype} forward: logits relative error {fmt(c)} "
                                          f"(baseline {fmt(base)}), top-1 agreement {fmt(f['top1_agreement'])}",
@@ -371,6 +418,11 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         "ops": ops,
         "failures": failures,
         "forward_failures": forward_failures,
+        "relation_failures": relation_failures,
+        "relation_matrix": relation_matrix,
+        "problems": problems,
+        "excused": excused,
+        "stale": stale,
         "conformance": conformance,
         "matrix": matrix,
         "forward_row": forward_row if forward_row and any(c["text"] for c in forward_row) else None,

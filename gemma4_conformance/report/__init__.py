@@ -4,8 +4,8 @@
     report.dump(doc, "reports/torch.json")                   # JSON, read back by report.load()
     report.write_html("reports/conformance.html", [doc])      # the page; several documents side by side
 
-    python -m report html OUT.html IN.json
-    python -m report merge OUT.html IN1.json IN2.json ...
+    gemma4-conformance-report html OUT.html IN.json      (or python -m gemma4_conformance.report)
+    gemma4-conformance-report merge OUT.html IN1.json IN2.json ...
 
 ``save(recorder, html=..., json=...)`` does the first three at once (the pytest plugin's call).
 The HTML half imports matplotlib and jinja2, so it is loaded only when a page is written.
@@ -43,13 +43,14 @@ def write_html(path, documents: list[dict], labels: list[str] | None = None, tit
     return write(path, documents, labels, title)
 
 
-def save(recorder, html=None, json=None, **environment_extra) -> list[Path]:
+def save(recorder, html=None, json=None, deviations=(), **environment_extra) -> list[Path]:
     """Write a run's report as HTML and/or JSON (each when its path is given); returns the paths written.
 
-    ``environment_extra`` adds keys to the environment, e.g. ``command=...`` or ``label=...``."""
+    ``deviations`` are the run's known-deviations entries; ``environment_extra`` adds keys to the
+    environment, e.g. ``command=...`` or ``label=...``."""
     if html is None and json is None:
         return []
-    doc = document(recorder, environment(**environment_extra))
+    doc = document(recorder, environment(**environment_extra), deviations)
     written = []
     if json is not None:
         written.append(dump(doc, json))

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from spec import CONTRACT, fmt, ulp
-from spec.exact import widen
+from gemma4_conformance.spec import CONTRACT, fmt, ulp
+from gemma4_conformance.spec.exact import widen
 
 from .budget import ACCUMULATION, budget
 from .harness import call

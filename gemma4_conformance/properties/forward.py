@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adapters import numpy_backend
-from spec import fmt
-from spec.model import forward
+from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.spec import fmt
+from gemma4_conformance.spec.model import forward
 
 from .harness import assess, call
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from adapters import DTYPES
-from spec import CONTRACT, fmt
+from gemma4_conformance.adapters import DTYPES
+from gemma4_conformance.spec import CONTRACT, fmt
 
 TOLERANCES_PATH = Path(__file__).with_name("tolerances.yaml")
 

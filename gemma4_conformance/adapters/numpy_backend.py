@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from spec import CONTRACT, fmt
+from gemma4_conformance.spec import CONTRACT, fmt
 
 name = "numpy"
 dtypes = ("float64", "float32", "bfloat16", "float16")

@@ -27,12 +27,12 @@ import importlib.util
 import inspect
 from importlib.metadata import entry_points
 
-from spec import FORMATS
+from gemma4_conformance.spec import FORMATS
 
 BUILTINS = {
-    "numpy": "adapters.numpy_backend",
-    "torch": "adapters.torch_backend",
-    "jax": "adapters.jax_backend",
+    "numpy": "gemma4_conformance.adapters.numpy_backend",
+    "torch": "gemma4_conformance.adapters.torch_backend",
+    "jax": "gemma4_conformance.adapters.jax_backend",
 }
 ENTRY_POINT_GROUP = "gemma4_conformance.adapters"
 DTYPES = ("float64", "float32", "bfloat16", "float16")

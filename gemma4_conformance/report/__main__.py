@@ -1,7 +1,7 @@
 """Render JSON reports as one HTML page.
 
-    python -m report html OUT.html IN.json                 one report
-    python -m report merge OUT.html IN1.json IN2.json ...  several (backends, machines, versions) side by side
+    gemma4-conformance-report html OUT.html IN.json                 one report
+    gemma4-conformance-report merge OUT.html IN1.json IN2.json ...  several (backends, machines, versions) side by side
 
 Each document is labelled by its file's name (``--label`` overrides, once per input, in order); the
 labels tell apart a backend that occurs in several reports.
@@ -23,7 +23,7 @@ def _labels(paths: list[Path]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="gemma4-conformance-report", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name, nargs, help in (("html", 1, "render one JSON report as an HTML page"),
                               ("merge", "+", "merge several JSON reports into one HTML page, side by side")):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 
 import numpy as np
 from mpmath import mpf
 
-from spec.exact import widen
-from spec import CONTRACT, fmt, round_to, ulp
+from gemma4_conformance.spec import CONTRACT, fmt, round_to, ulp
+from gemma4_conformance.spec.exact import widen
 
 from .budget import budget
 from .strategies import build
@@ -20,8 +21,9 @@ class Unsupported(Exception):
     """The adapter does not implement the op (a skip, listed in the report, never an error)."""
 
 
-class ContractViolation(AssertionError):
-    """The adapter raised, or returned something other than the contract's array."""
+class ContractViolation(Exception):
+    """The adapter raised, or returned something other than the contract's array: the adapter broke,
+    which is not a conformance failure (the run exits 6, not 1; see the plugin)."""
 
 
 def call(adapter, op: str, args: tuple, dtype: str) -> np.ndarray:
@@ -148,3 +150,13 @@ def _coords(index, where) -> str:
 
 def case_json(case: dict) -> str:
     return json.dumps(case, separators=(",", ":"))
+
+
+def rerun_command(item, backend: str, case: dict | None = None) -> str:
+    """The command that reruns exactly this test (and ``case``): by module path, so it works from any
+    folder where the suite is installed, an engine's repository included."""
+    command = ["pytest", "-p", "gemma4_conformance.plugin", "--pyargs", f"{item.module.__name__}::{item.name}",
+               f"--backend={backend}"]
+    if case is not None:
+        command.append(f"--case={case_json(case)}")
+    return shlex.join(command)

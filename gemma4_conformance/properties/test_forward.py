@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from adapters import numpy_backend
-from fixtures import checkpoint, generate
-from spec.model import OPS_USED
+from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.spec.model import OPS_USED
 
 from .forward import composed, judge_forward, reference
 
@@ -55,7 +55,8 @@ def test_forward_matches_reference(request, backend, adapter, forward_dtype, mod
     baseline = composed(numpy_backend, weights.config, weights, tokens, forward_dtype)
     verdict = judge_forward(candidate, baseline, ref, forward_dtype)
     request.config.conformance_recorder.forward[adapter.name, forward_dtype] = verdict
-    assert not verdict.failures, "\n".join(verdict.failures)
+    if verdict.failures:
+        pytest.fail("\n".join(verdict.failures), pytrace=False)
 
 
 SLOW_TOKENS = 8
@@ -91,6 +92,7 @@ def test_forward_at_the_real_12b_geometry(request, backend, adapter, tmp_path_fa
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"\n12B geometry, {SLOW_TOKENS} tokens: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
           + f"; peak RSS {peak / 2**30:.2f} GiB; certified op calls {certificate.calls}")
-    assert not certificate.failures, "\n".join(certificate.failures[:10])
-    assert not verdict.failures, "\n".join(verdict.failures)
+    assert not certificate.failures, "\n".join(certificate.failures[:10])  # the suite's own reference broke
+    if verdict.failures:
+        pytest.fail("\n".join(verdict.failures), pytrace=False)
     assert peak <= RSS_LIMIT, f"peak RSS {peak / 2**30:.2f} GiB > 8 GiB"

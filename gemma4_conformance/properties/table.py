@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import spec
+from gemma4_conformance import spec
 
 from . import error_models
 

@@ -14,7 +14,11 @@ Top level (an object)::
     version      1 (an integer; a reader refuses versions it does not know)
     environment  object: where and with what the run happened (below)
     results      array: one entry per backend x dtype x op that the run recorded (below)
+    relations    array: one entry per backend x dtype x theorem of the spec checked (below)
     forward      array: one entry per backend x dtype whose full forward ran (below)
+    problems     array: the tests that broke rather than failed (below); when not empty the run's
+                 verdict is incomplete and it exited 6
+    deviations   array: the entries of the known-deviations files the run was given (below)
 
 Numbers.  JSON has no infinities or NaN: a measured value that is not finite is written as the string
 ``"inf"``, ``"-inf"`` or ``"nan"`` (``number()`` reads any number field back as a float).  ``null``
@@ -43,8 +47,10 @@ means "not measured" (an op with no examples has no error statistics).
     backend         the adapter's name
     dtype           "float64", "float32", "bfloat16" or "float16"
     op              the op's name in spec/contract.py
-    outcome         "passed", "failed", "errored" (the backend raised, or broke the contract: wrong
-                    shape or dtype), "unsupported" (the adapter lacks the op), or "not run"
+    outcome         "passed", "failed", "known deviation" (failed, and excused by a known-deviations
+                    file), "errored" (the backend raised, or broke the contract: wrong shape or
+                    dtype), "unsupported" (the adapter lacks the op), or "not run"
+    deviation       the known-deviation entry's reason when one covers this result, else ""
     examples        number of examples judged (an integer)
     max_ulps        the largest error of any example, in ULPs of the dtype at the op's scale
                     (properties/error_models.py); null with no examples
@@ -84,6 +90,31 @@ means "not measured" (an op with no examples has no error statistics).
     floor           the absolute relative error always allowed (FLOOR unit roundoffs of the dtype),
                     or null when unknown
     failures        array of strings: why the verdict failed (empty when it passed)
+    deviation       as in ``results``; outcome "known deviation" when it excused a failure
+
+``relations[i]`` (sorted like ``results``)::
+
+    backend, dtype  as in ``results``
+    relation        the theorem's name in properties/relations.py, e.g. "softmax_sums_to_one"
+    ops             array of strings: the ops it relates
+    outcome         as in ``results``
+    examples        number of examples checked (an integer; Hypothesis's shrinking included)
+    message         the first violation found ("" when it held)
+    rerun           the command that reruns the minimal violating case ("" when it held)
+    deviation       as in ``results``
+
+``problems[i]``::
+
+    test            the pytest node id
+    phase           "setup", "call" or "teardown"
+    message         the exception, one line of type and message (at most 2000 characters)
+
+``deviations[i]``::
+
+    backend, op, dtype, reason, file   the entry as written in its file
+    status          "excused" (a test it covers failed and was excused), "conforms" (its tests all
+                    passed: the entry may be stale) or "unmatched" (it covers no test of the run)
+    tests           array of strings: the node ids of the tests it covers
 """
 
 from __future__ import annotations
@@ -103,18 +134,25 @@ SCHEMA = "gemma4-conformance-report"
 VERSION = 1
 HISTOGRAM_CAP = 500
 DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16")
-OUTCOMES = ("passed", "failed", "errored", "unsupported", "not run")
+OUTCOMES = ("passed", "failed", "known deviation", "errored", "unsupported", "not run")
 LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "ml_dtypes", "mpmath", "hypothesis")
 
 RESULT_FIELDS = {
     "backend": str, "dtype": str, "op": str, "outcome": str, "examples": int, "max_ulps": "number",
     "p99_ulps": "number", "median_ulps": "number", "budget_ulps": "number", "headroom": "number",
     "budget_formula": (str, type(None)), "error_model": (str, type(None)), "worst_case": (dict, type(None)),
-    "rerun": str, "message": str, "histogram": list,
+    "rerun": str, "message": str, "histogram": list, "deviation": str,
 }
+RELATION_FIELDS = {
+    "backend": str, "dtype": str, "relation": str, "ops": list, "outcome": str, "examples": int, "message": str,
+    "rerun": str, "deviation": str,
+}
+PROBLEM_FIELDS = {"test": str, "phase": str, "message": str}
+DEVIATION_FIELDS = {"backend": str, "op": str, "dtype": str, "reason": str, "file": str, "status": str,
+                    "tests": list}
 FORWARD_FIELDS = {
     "backend": str, "dtype": str, "outcome": str, "layers": dict, "logits": dict, "top1_agreement": "number",
-    "logprob_gap": dict, "factor": "number", "floor": "number", "failures": list,
+    "logprob_gap": dict, "factor": "number", "floor": "number", "failures": list, "deviation": str,
 }
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
@@ -158,7 +196,7 @@ def _dtype_rank(dtype: str) -> tuple:
 
 def _op_ranks() -> dict[str, int]:
     try:
-        from spec import CONTRACT
+        from gemma4_conformance.spec import CONTRACT
     except ImportError:  # the report package used outside the suite: alphabetical order
         return {}
     return {op: i for i, op in enumerate(CONTRACT)}
@@ -166,7 +204,7 @@ def _op_ranks() -> dict[str, int]:
 
 def _budget(op: str, dtype: str):
     try:
-        from properties.budget import budget
+        from gemma4_conformance.properties.budget import budget
         return budget(op, dtype)
     except (ImportError, KeyError):  # an op or dtype the suite's budgets do not know
         return None
@@ -174,8 +212,8 @@ def _budget(op: str, dtype: str):
 
 def _forward_thresholds(dtype: str) -> tuple[float | None, float | None]:
     try:
-        from properties.forward import FACTOR, FLOOR
-        from spec import fmt
+        from gemma4_conformance.properties.forward import FACTOR, FLOOR
+        from gemma4_conformance.spec import fmt
         return float(FACTOR), float(FLOOR * fmt(dtype).eps)
     except (ImportError, ValueError, KeyError):
         return None, None
@@ -194,15 +232,17 @@ def _histogram(values) -> list:
     return [encode(float(f"{v:.4g}")) if math.isfinite(v) else encode(v) for v in values]
 
 
-def result_entry(record) -> dict:
-    """One ``results`` entry from a ``properties.record.OpRecord``."""
+def result_entry(record, excused: dict | None = None) -> dict:
+    """One ``results`` entry from a ``properties.record.OpRecord``; ``excused`` maps (backend, dtype, op)
+    to the reason of the known deviation that covers it."""
     measured = record.examples > 0 and bool(record.per_example)
     b = _budget(record.op, record.dtype)
+    deviation = (excused or {}).get((record.backend, record.dtype, record.op), "")
     return {
         "backend": record.backend,
         "dtype": record.dtype,
         "op": record.op,
-        "outcome": record.outcome,
+        "outcome": "known deviation" if deviation and record.outcome == "failed" else record.outcome,
         "examples": int(record.examples),
         "max_ulps": encode(record.worst_ulps) if measured else None,
         "p99_ulps": encode(record.quantile(0.99)) if measured else None,
@@ -215,17 +255,40 @@ def result_entry(record) -> dict:
         "rerun": record.worst_command or "",
         "message": record.message or "",
         "histogram": _histogram(record.per_example),
+        "deviation": deviation,
     }
 
 
-def forward_entry(backend: str, dtype: str, verdict) -> dict:
+def relation_entry(record, excused: dict | None = None) -> dict:
+    """One ``relations`` entry from a ``properties.record.RelationRecord``."""
+    deviation = (excused or {}).get((record.backend, record.dtype, record.relation), "")
+    return {
+        "backend": record.backend,
+        "dtype": record.dtype,
+        "relation": record.relation,
+        "ops": list(record.ops),
+        "outcome": "known deviation" if deviation and record.outcome == "failed" else record.outcome,
+        "examples": int(record.examples),
+        "message": record.message,
+        "rerun": record.rerun,
+        "deviation": deviation,
+    }
+
+
+def deviation_entry(entry) -> dict:
+    """One ``deviations`` entry from a ``properties.deviations.Deviation``."""
+    return {"backend": entry.backend, "op": entry.op, "dtype": entry.dtype, "reason": entry.reason,
+            "file": entry.file, "status": entry.status, "tests": list(entry.matched)}
+
+
+def forward_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dict:
     """One ``forward`` entry from a ``properties.forward.ForwardVerdict`` (or any object with its fields)."""
     factor, floor = _forward_thresholds(dtype)
     failures = [str(f) for f in verdict.failures]
     return {
         "backend": backend,
         "dtype": dtype,
-        "outcome": "failed" if failures else "passed",
+        "outcome": ("known deviation" if deviation else "failed") if failures else "passed",
         "layers": {"candidate": [encode(c) for c, _ in verdict.layers],
                    "baseline": [encode(b) for _, b in verdict.layers]},
         "logits": {"candidate": encode(verdict.logits[0]), "baseline": encode(verdict.logits[1])},
@@ -234,22 +297,30 @@ def forward_entry(backend: str, dtype: str, verdict) -> dict:
         "factor": encode(factor),
         "floor": encode(floor),
         "failures": failures,
+        "deviation": deviation,
     }
 
 
-def document(recorder, environment: dict | None = None) -> dict:
+def document(recorder, environment: dict | None = None, deviations=()) -> dict:
     """The report document of a run: ``recorder`` is the plugin's ``properties.record.Recorder``;
-    ``environment`` is ``environment()``'s dict (collected now when None)."""
+    ``environment`` is ``environment()``'s dict (collected now when None); ``deviations`` the
+    known-deviations entries (``properties.deviations.Deviation``) the run was given."""
     ranks = _op_ranks()
     records = sorted(recorder.records.values(),
                      key=lambda r: (r.backend, _dtype_rank(r.dtype), ranks.get(r.op, len(ranks)), r.op))
+    relations = sorted(recorder.relations.values(), key=lambda r: (r.backend, _dtype_rank(r.dtype), r.relation))
     forward = sorted(recorder.forward.items(), key=lambda item: (item[0][0], _dtype_rank(item[0][1])))
+    excused = recorder.excused
     return {
         "schema": SCHEMA,
         "version": VERSION,
         "environment": _jsonable(_current_environment() if environment is None else environment),
-        "results": [result_entry(r) for r in records],
-        "forward": [forward_entry(backend, dtype, v) for (backend, dtype), v in forward],
+        "results": [result_entry(r, excused) for r in records],
+        "relations": [relation_entry(r, excused) for r in relations],
+        "forward": [forward_entry(backend, dtype, v, excused.get((backend, dtype, "forward"), ""))
+                    for (backend, dtype), v in forward],
+        "problems": [{"test": p.test, "phase": p.phase, "message": p.message} for p in recorder.problems],
+        "deviations": [deviation_entry(e) for e in deviations],
     }
 
 
@@ -363,7 +434,8 @@ def validate(document, source: str = "<document>") -> dict:
         newer = "newer than" if version > VERSION else "older than"
         raise ReportError(f"{source}: report schema version {version} is {newer} the version this suite reads "
                           f"({VERSION}); render it with the gemma4-conformance that wrote it")
-    for key, kind in (("environment", dict), ("results", list), ("forward", list)):
+    for key, kind in (("environment", dict), ("results", list), ("relations", list), ("forward", list),
+                      ("problems", list), ("deviations", list)):
         if not isinstance(document.get(key), kind):
             raise ReportError(f"{source}: \"{key}\" is missing or not an {'object' if kind is dict else 'array'}")
     for i, entry in enumerate(document["results"]):
@@ -372,6 +444,14 @@ def validate(document, source: str = "<document>") -> dict:
             raise ReportError(f"{source}: results[{i}].outcome is {entry['outcome']!r}, expected one of {OUTCOMES}")
         if not all(_is_number(v) for v in entry["histogram"]):
             raise ReportError(f"{source}: results[{i}].histogram holds a value that is not a number")
+    for i, entry in enumerate(document["relations"]):
+        _check_fields(entry, RELATION_FIELDS, f"relations[{i}]", source)
+        if entry["outcome"] not in OUTCOMES:
+            raise ReportError(f"{source}: relations[{i}].outcome is {entry['outcome']!r}, expected one of {OUTCOMES}")
+    for i, entry in enumerate(document["problems"]):
+        _check_fields(entry, PROBLEM_FIELDS, f"problems[{i}]", source)
+    for i, entry in enumerate(document["deviations"]):
+        _check_fields(entry, DEVIATION_FIELDS, f"deviations[{i}]", source)
     for i, entry in enumerate(document["forward"]):
         _check_fields(entry, FORWARD_FIELDS, f"forward[{i}]", source)
         for key in ("layers", "logits", "logprob_gap"):

@@ -17,7 +17,7 @@ import math
 import numpy as np
 from hypothesis import strategies as st
 
-from spec import CONTRACT, fmt
+from gemma4_conformance.spec import CONTRACT, fmt
 
 MAX_POSITION = 262144
 

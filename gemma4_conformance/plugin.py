@@ -1,0 +1,225 @@
+"""The pytest plugin: which backend and dtypes to test, known deviations, exit codes, and the report.
+
+Installing the suite registers nothing with pytest: this plugin is on in the suite's repository (its
+root conftest.py) and is asked for by name anywhere else, so an engine's other test runs never see it:
+
+    pytest -p gemma4_conformance.plugin --pyargs gemma4_conformance --backend=myengine
+
+Its hooks touch only the suite's own tests, even in a run that collects others too.
+
+    pytest --backend=torch                    every op of torch in every dtype it supports
+    pytest --backend=all --dtype=bfloat16     every installed built-in backend, bf16 only
+    pytest --backend=mypkg.engine:Adapter     an adapter object, class or factory by path
+    pytest --hypothesis-profile=thorough      more examples (profiles: ci, default, thorough)
+    pytest --weights=/path/to/gemma-4-12B     the full forward on real weights
+    pytest ... --case='<json>'                rerun exactly one failing case (printed on failure)
+    pytest ... --known-deviations=FILE        failures the backend's authors have accepted (deviations.py)
+
+The exit status tells a CI gate what happened (EXIT_CODES below): 0 conformant, 1 not conformant,
+6 an adapter or the suite broke (raised, or broke the contract), and pytest's own codes otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from gemma4_conformance import adapters, report
+from gemma4_conformance.adapters import DTYPES, AdapterError
+from gemma4_conformance.properties.deviations import (
+    Deviations,
+    DeviationsError,
+    subject,
+)
+from gemma4_conformance.properties.record import Problem, Recorder
+from gemma4_conformance.properties.relations import RELATIONS
+from gemma4_conformance.spec import OP_NAMES
+
+EXIT_CONFORMANT = 0
+EXIT_NOT_CONFORMANT = 1  # pytest's TESTS_FAILED: every failure is an error beyond its budget
+EXIT_BROKEN = 6  # an adapter raised or broke the contract, or a test errored: the verdict is incomplete
+EXIT_CODES = {
+    EXIT_CONFORMANT: "conformant: every test passed or is a listed known deviation",
+    EXIT_NOT_CONFORMANT: "not conformant: a result is beyond its budget or breaks a theorem of the spec",
+    2: "interrupted (pytest)",
+    3: "internal error (pytest)",
+    4: "usage error: a bad option, backend, dtype or known-deviations file (pytest)",
+    5: "no tests were collected (pytest)",
+    EXIT_BROKEN: "broken: an adapter raised or broke the contract, or the suite errored; fix that first",
+}
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", derandomize=True, max_examples=12, print_blob=True, **_common)
+settings.register_profile("default", max_examples=40, print_blob=True, **_common)
+settings.register_profile("thorough", max_examples=400, print_blob=True, **_common)
+settings.load_profile("default")
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("gemma4-conformance")
+    group.addoption("--backend", default="numpy",
+                    help="backend(s) to test, comma-separated: numpy, torch, jax, an entry-point name, "
+                         "module:attribute, or all (every installed built-in). Default: numpy.")
+    group.addoption("--dtype", default=",".join(DTYPES),
+                    help=f"dtypes to test, comma-separated, among {', '.join(DTYPES)}. Default: all.")
+    group.addoption("--case", default=None,
+                    help="rerun one case (the JSON printed by a failure) instead of drawing examples")
+    group.addoption("--known-deviations", action="append", default=[], metavar="FILE",
+                    help="a YAML file of a backend's accepted deviations (backend; op, dtype, reason per "
+                         "entry): those tests still run and are reported, but do not fail the run. "
+                         "Repeat for several backends.")
+    group.addoption("--report-html", default="reports/conformance.html",
+                    help="where to write the HTML tolerance report (default: reports/conformance.html; "
+                         "'' for none)")
+    group.addoption("--report-json", default=None,
+                    help="also write the run's results as JSON (versioned schema; see report/data.py)")
+    group.addoption("--weights", default=None,
+                    help="a Gemma 4 checkpoint folder (config.json and safetensors) for the full forward; "
+                         "default: a checkpoint the suite generates in the real layout")
+
+
+def _backend_specs(option: str) -> list[str]:
+    specs = []
+    for spec in (s.strip() for s in option.split(",") if s.strip()):
+        specs.extend(adapters.available_builtins() if spec == "all" else [spec])
+    return specs
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: the real 12B geometry (about 10 minutes, 24 GB of disk); "
+                                       "run with -m slow")
+    config.conformance_recorder = Recorder()
+    dtypes = [d.strip() for d in config.getoption("--dtype").split(",") if d.strip()]
+    unknown = sorted(set(dtypes) - set(DTYPES))
+    if unknown:
+        raise pytest.UsageError(f"--dtype: unknown {unknown}; choose among {', '.join(DTYPES)}")
+    config.conformance_dtypes = dtypes
+    loaded = {}
+    for spec in _backend_specs(config.getoption("--backend")):
+        try:
+            loaded[spec] = adapters.load(spec)
+        except AdapterError as e:
+            raise pytest.UsageError(f"--backend: {e}") from None
+    config.conformance_backends = loaded
+    try:
+        config.conformance_deviations = Deviations.load(config.getoption("--known-deviations"))
+    except DeviationsError as e:
+        raise pytest.UsageError(f"--known-deviations: {e}") from None
+    case = config.getoption("--case")
+    if case is not None:
+        try:
+            config.conformance_case = json.loads(case)
+        except json.JSONDecodeError as e:
+            raise pytest.UsageError(f"--case is not valid JSON: {e}") from None
+    else:
+        config.conformance_case = None
+
+
+def backend_dtypes(config):
+    """(backend spec, adapter, dtype) for every backend under test and every dtype both allow."""
+    for spec, adapter in config.conformance_backends.items():
+        for dtype in config.conformance_dtypes:
+            if dtype in adapter.dtypes:
+                yield spec, adapter, dtype
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrise the property tests over backend x dtype x (op or relation), or backend alone."""
+    if "op" in metafunc.fixturenames and "backend" in metafunc.fixturenames:
+        params = [pytest.param(spec, adapter, dtype, op, id=f"{adapter.name}-{dtype}-{op}")
+                  for spec, adapter, dtype in backend_dtypes(metafunc.config) for op in OP_NAMES]
+        metafunc.parametrize("backend, adapter, dtype, op", params)
+    elif "relation" in metafunc.fixturenames:
+        params = [pytest.param(spec, adapter, dtype, name, id=f"{adapter.name}-{dtype}-{name}")
+                  for spec, adapter, dtype in backend_dtypes(metafunc.config) for name in RELATIONS]
+        metafunc.parametrize("backend, adapter, dtype, relation", params)
+    elif "adapter" in metafunc.fixturenames:
+        params = [pytest.param(spec, adapter, id=adapter.name)
+                  for spec, adapter in metafunc.config.conformance_backends.items()]
+        metafunc.parametrize("backend, adapter", params)
+
+
+def in_suite(item) -> bool:
+    module = getattr(item, "module", None)
+    return module is not None and module.__name__.startswith("gemma4_conformance.")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The 12B test runs only when asked for (-m slow); known deviations turn into non-strict xfails."""
+    if not config.option.markexpr:
+        slow = [item for item in items if in_suite(item) and item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item not in slow]
+    suite = [item for item in items if in_suite(item)]
+    config.conformance_deviations.mark(suite)
+    config.conformance_collected = len(suite)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Sort what went wrong: an excused known deviation, or a test that broke (exit 6), apart from
+    plain conformance failures."""
+    rep = yield
+    if not in_suite(item):
+        return rep
+    recorder = item.config.conformance_recorder
+    if rep.when == "call" and rep.skipped and hasattr(rep, "wasxfail"):
+        entry = item.config.conformance_deviations.entry_for(item)
+        if entry is not None:
+            entry.excused.append(item.nodeid)
+            _, name, dtype, what = subject(item)
+            recorder.excused[name, dtype, what] = entry.reason
+    elif rep.failed and (rep.when != "call" or call.excinfo is not None and is_broken(call.excinfo.value)):
+        recorder.problems.append(Problem(item.nodeid, rep.when, call.excinfo.exconly()[:2000]))
+    return rep
+
+
+def is_broken(error: BaseException) -> bool:
+    """Whether a test's exception means the adapter or the suite broke, rather than a result beyond its
+    budget. A conformance failure is ``pytest.fail``; anything else, the adapter's ContractViolation
+    and the suite's own asserts included, is broken. A group (Hypothesis found several distinct
+    errors) is broken if any member is."""
+    if isinstance(error, BaseExceptionGroup):
+        return any(is_broken(e) for e in error.exceptions)
+    return not isinstance(error, pytest.fail.Exception)
+
+
+def exit_status(config, exitstatus: int) -> int:
+    """pytest's status, with 6 for a run that broke (it wins over 1: the verdict is incomplete)."""
+    if int(exitstatus) in (EXIT_CONFORMANT, EXIT_NOT_CONFORMANT) and config.conformance_recorder.problems:
+        return EXIT_BROKEN
+    return int(exitstatus)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.exitstatus = exit_status(session.config, exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    recorder = getattr(config, "conformance_recorder", None)
+    if recorder is None or not getattr(config, "conformance_collected", 0):
+        return  # not a run of the suite's tests
+    deviations = config.conformance_deviations
+    if deviations.entries:
+        terminalreporter.section("conformance: known deviations")
+        for line in deviations.summary():
+            terminalreporter.write_line(line, yellow=line.startswith("warning"))
+    if recorder.problems:
+        terminalreporter.section("conformance: broken (an adapter raised or broke the contract, or the suite errored)")
+        for problem in recorder.problems:
+            terminalreporter.write_line(f"{problem.test} ({problem.phase}): {problem.message.splitlines()[0]}", red=True)
+    terminalreporter.section("conformance: largest error per backend, dtype and op (ULPs at the op's scale)")
+    for line in recorder.table():
+        terminalreporter.write_line(line)
+    written = report.save(recorder, html=config.getoption("--report-html") or None,
+                          json=config.getoption("--report-json"), deviations=deviations.entries,
+                          command=shlex.join(["pytest", *config.invocation_params.args]))
+    for path in written:
+        terminalreporter.write_line(f"conformance report: {path}")
+    status = exit_status(config, exitstatus)
+    terminalreporter.write_line(f"conformance exit status {status}: {EXIT_CODES.get(status, 'see pytest')}")

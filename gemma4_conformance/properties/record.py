@@ -1,0 +1,106 @@
+"""What a run measured: per backend x dtype x op the examples, error distribution, worst case and outcome;
+per backend x dtype x relation the outcome; the forward verdicts; what was excused and what broke."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class OpRecord:
+    backend: str
+    dtype: str
+    op: str
+    examples: int = 0
+    budget: float = 0.0  # the budget of the worst example, in ULPs at the scale
+    worst_ulps: float = 0.0
+    worst_case: dict | None = None
+    worst_command: str = ""
+    per_example: list[float] = field(default_factory=list)  # each example's largest error in ULPs
+    outcome: str = "not run"  # passed, failed, unsupported, errored
+    message: str = ""
+
+    def add(self, ulps: float, budget: float, case: dict, command: str) -> None:
+        self.examples += 1
+        self.per_example.append(ulps)
+        if self.worst_case is None or ulps / budget > self.worst_ulps / self.budget:
+            self.worst_ulps, self.budget, self.worst_case, self.worst_command = ulps, budget, case, command
+
+    @property
+    def headroom(self) -> float:
+        """Budget over the worst error: above 1 passes; how much room is left."""
+        return self.budget / self.worst_ulps if self.worst_ulps else float("inf")
+
+    def quantile(self, q: float) -> float:
+        return float(np.quantile(self.per_example, q)) if self.per_example else 0.0
+
+
+@dataclass
+class RelationRecord:
+    backend: str
+    dtype: str
+    relation: str
+    ops: tuple[str, ...]
+    examples: int = 0
+    outcome: str = "not run"  # passed, failed, unsupported, errored
+    message: str = ""
+    rerun: str = ""
+
+
+@dataclass
+class Problem:
+    """A test that broke rather than failed: the adapter raised or broke the contract, or the suite errored."""
+
+    test: str  # pytest node id
+    phase: str  # setup, call or teardown
+    message: str
+
+
+class Recorder:
+    def __init__(self):
+        self.records: dict[tuple[str, str, str], OpRecord] = {}
+        self.relations: dict[tuple[str, str, str], RelationRecord] = {}
+        self.forward: dict[tuple[str, str], object] = {}  # (backend, dtype) -> forward.ForwardVerdict
+        self.excused: dict[tuple[str, str, str], str] = {}  # (backend, dtype, op/relation/"forward") -> reason
+        self.problems: list[Problem] = []
+
+    def __call__(self, backend: str, dtype: str, op: str) -> OpRecord:
+        key = (backend, dtype, op)
+        if key not in self.records:
+            self.records[key] = OpRecord(backend, dtype, op)
+        return self.records[key]
+
+    def relation(self, backend: str, dtype: str, name: str, ops: tuple[str, ...]) -> RelationRecord:
+        key = (backend, dtype, name)
+        if key not in self.relations:
+            self.relations[key] = RelationRecord(backend, dtype, name, ops)
+        return self.relations[key]
+
+    def outcome(self, backend: str, dtype: str, subject: str, outcome: str) -> str:
+        """The outcome as reported: a failure listed in a known-deviations file is a "known deviation"."""
+        return "known deviation" if outcome == "failed" and (backend, dtype, subject) in self.excused else outcome
+
+    def table(self) -> list[str]:
+        """The terminal summary: one line per backend x dtype x op, the forward verdicts, failed relations."""
+        lines = [f"{'backend':<8} {'dtype':<9} {'op':<15} {'outcome':<11} {'examples':>8} "
+                 f"{'max ULPs':>10} {'budget':>9} {'headroom':>9}"]
+        for r in sorted(self.records.values(), key=lambda r: (r.backend, r.dtype, r.op)):
+            outcome = self.outcome(r.backend, r.dtype, r.op, r.outcome)
+            lines.append(f"{r.backend:<8} {r.dtype:<9} {r.op:<15} {outcome:<11} {r.examples:>8} "
+                         f"{r.worst_ulps:>10.3g} {r.budget:>9.3g} {r.headroom:>9.3g}")
+        for (backend, dtype), v in sorted(self.forward.items()):
+            worst = max(v.layers, key=lambda e: e[0] / max(e[1], 1e-300), default=(0.0, 0.0))
+            outcome = self.outcome(backend, dtype, "forward", "failed" if v.failures else "passed")
+            lines.append(f"{backend:<8} {dtype:<9} {'forward':<15} {outcome:<11} "
+                         f"logits rel. error {v.logits[0]:.3g} (baseline {v.logits[1]:.3g}), worst layer "
+                         f"{worst[0]:.3g} (baseline {worst[1]:.3g}), top-1 agreement {v.top1_agreement:.0%}")
+        if self.relations:
+            passed = sum(r.outcome == "passed" for r in self.relations.values())
+            lines.append(f"relations: {passed} of {len(self.relations)} held")
+            for r in sorted(self.relations.values(), key=lambda r: (r.backend, r.dtype, r.relation)):
+                if r.outcome not in ("passed", "unsupported"):
+                    outcome = self.outcome(r.backend, r.dtype, r.relation, r.outcome)
+                    lines.append(f"{r.backend:<8} {r.dtype:<9} {r.relation} {outcome}")
+        return lines

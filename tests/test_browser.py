@@ -1,0 +1,191 @@
+"""The HTML report in a real browser: it renders, draws its charts, stays self-contained and quiet.
+
+Opens a merged page of three documents (numpy, torch, jax) in headless Chromium (tests/browser.py)
+and saves a screenshot to reports/browser/report.png, or under $CONFORMANCE_ARTIFACTS.  Without
+Chromium the tests skip, except under CI (CI set), where they fail: CI installs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image  # installed with matplotlib
+
+from gemma4_conformance import report
+from gemma4_conformance.report.html import COLOURS
+from tests.test_report import ROPE_COMMAND, make_recorder
+
+BACKENDS = ("numpy", "torch", "jax")
+# Per op, the cell classes of make_recorder()'s results in each dtype (float32, bfloat16), as in test_report.
+CELLS = {"sigmoid": ("fail", "none"), "silu": ("ok", "none"), "rope": ("warn", "fail"),
+         "linear": ("none", "unsup"), "softmax": ("none", "ok"), "forward": ("fail", "ok")}
+WHITE = ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)")  # white, or transparent over the white page
+
+
+def _unavailable(reason: str):
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}; CI installs it, so its absence there is a defect", pytrace=False)
+    pytest.skip(reason)
+
+
+def _chromium():
+    """The browser helper, not started yet; skips (fails under CI) when Chromium or websocket-client is missing."""
+    executable = next((p for p in ("/usr/bin/chromium", shutil.which("chromium")) if p and os.access(p, os.X_OK)),
+                      None)
+    if executable is None:
+        _unavailable("Chromium is not installed (on Debian or Ubuntu: apt-get install chromium)")
+    if importlib.util.find_spec("websocket") is None:
+        _unavailable("websocket-client is not installed (pip install -e '.[test]')")
+    # Imported here, as it needs websocket-client (checked just above).
+    from tests.browser import Chromium
+
+    return Chromium(executable)
+
+
+def _artifacts() -> Path:
+    """Where the screenshot goes: $CONFORMANCE_ARTIFACTS, else reports/browser/ in the repository."""
+    folder = os.environ.get("CONFORMANCE_ARTIFACTS")
+    return Path(folder) if folder else Path(__file__).resolve().parents[1] / "reports" / "browser"
+
+
+def _rgb(hex_colour: str) -> str:
+    """A #rrggbb colour as the browser's computed style writes it."""
+    r, g, b = (int(hex_colour[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgb({r}, {g}, {b})"
+
+
+def _rerun(backend: str) -> str:
+    return ROPE_COMMAND.replace("torch", backend)
+
+
+@pytest.fixture(scope="module")
+def documents():
+    return [report.document(make_recorder(backend), report.environment()) for backend in BACKENDS]
+
+
+@pytest.fixture(scope="module")
+def browser(documents, tmp_path_factory):
+    chromium = _chromium()
+    page = report.write_html(tmp_path_factory.mktemp("page") / "report.html", documents, labels=list(BACKENDS))
+    with chromium:
+        chromium.open(page)
+        chromium.wait(0.2)  # messages logged just after the load event
+        yield chromium
+
+
+def _box(selector: str) -> str:
+    """JavaScript: the bounding box of an element as {x, y, width, height}."""
+    return (f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect(); "
+            "return {x: r.x, y: r.y, width: r.width, height: r.height}; })()")
+
+
+def test_the_page_loads_without_errors_or_requests(browser):
+    assert browser.evaluate("document.readyState") == "complete"
+    assert browser.evaluate("document.title") == "Gemma 4 conformance report"
+    assert browser.console == []
+    assert browser.requests == []  # the page is self-contained: nothing but itself is loaded
+
+
+def test_the_matrix_is_visible_with_a_row_per_op_and_coloured_cells(browser, documents):
+    box = browser.evaluate(_box("#matrix-table"))
+    assert box["width"] > 0 and box["height"] > 0
+    rows = browser.evaluate("""[...document.querySelectorAll('#matrix-table tbody tr')].map(tr => ({
+        op: tr.dataset.op,
+        cells: [...tr.querySelectorAll('td.cell')].map(td => ({
+            cls: td.className.replace('cell', '').trim(), background: getComputedStyle(td).backgroundColor}))}))""")
+    ops = list(dict.fromkeys(r["op"] for r in documents[0]["results"]))
+    assert [row["op"] for row in rows] == [*ops, "forward"]
+    backgrounds = {}
+    for row in rows:
+        # Columns: each dtype, then each backend within it.
+        assert [c["cls"] for c in row["cells"]] == [cls for cls in CELLS[row["op"]] for _ in BACKENDS], row["op"]
+        for c in row["cells"]:
+            backgrounds.setdefault(c["cls"], set()).add(c["background"])
+    assert all(len(colours) == 1 for colours in backgrounds.values()), backgrounds  # one colour per class
+    coloured = {cls: colours.pop() for cls, colours in backgrounds.items()}
+    assert coloured["none"] in WHITE
+    assert all(coloured[cls] not in WHITE for cls in ("fail", "warn", "ok", "unsup"))
+    assert len({coloured[cls] for cls in ("fail", "warn", "ok", "unsup")}) == 4  # told apart by colour
+
+
+def test_every_chart_is_an_svg_with_its_data_drawn(browser):
+    charts = browser.evaluate("""[...document.querySelectorAll('.chart')].map(chart => {
+        const svg = chart.querySelector('svg');
+        if (!svg) return {title: chart.textContent.slice(0, 60)};
+        const box = svg.getBoundingClientRect();
+        const drawn = [...svg.querySelectorAll('path')].filter(p => {
+            const b = p.getBBox();
+            return b.width > 0 || b.height > 0;
+        });
+        return {title: chart.querySelector('h3').textContent, width: box.width, height: box.height,
+                paths: drawn.length,
+                colours: drawn.flatMap(p => [getComputedStyle(p).fill, getComputedStyle(p).stroke])};
+    })""")
+    # A histogram per backend x dtype and a forward chart per backend x dtype.
+    assert len(charts) == 2 * 2 * len(BACKENDS)
+    data_colours = {_rgb(COLOURS[cls]) for cls in ("fail", "warn", "ok")}
+    for chart in charts:
+        assert "width" in chart, f"chart without an svg: {chart['title']}"
+        assert chart["width"] > 0 and chart["height"] > 0, chart["title"]
+        assert chart["paths"] > 0, chart["title"]
+        assert data_colours & set(chart["colours"]), f"{chart['title']}: no bar or line in a verdict's colour"
+
+
+def test_the_failures_section_lists_the_failing_op_and_its_rerun_command(browser):
+    failures = browser.evaluate("""[...document.querySelectorAll('.failure')].map(f => ({
+        head: f.querySelector('.head').textContent.replace(/\\s+/g, ' '),
+        command: f.querySelector('pre') ? f.querySelector('pre').textContent : null,
+        height: f.getBoundingClientRect().height}))""")
+    for backend in BACKENDS:
+        rope = [f for f in failures if f["head"].startswith(f"{backend} · bfloat16 · rope — failed")]
+        assert len(rope) == 1, [f["head"] for f in failures]
+        assert rope[0]["command"] == _rerun(backend) and rope[0]["height"] > 0
+    assert browser.evaluate(_box("#failures"))["y"] < browser.evaluate(_box("#matrix-table"))["y"]  # failures first
+
+
+def test_the_screenshot_shows_the_page_in_colour(browser):
+    path = browser.screenshot(_artifacts() / "report.png")
+    with Image.open(path) as image:
+        width, height = image.size
+        assert (width, height) == tuple(browser.evaluate(
+            "[document.documentElement.scrollWidth, document.documentElement.scrollHeight]"))
+        # The viewport now covers the page, so an element's box is where it is in the image: the first
+        # failing cell's corner (clear of its text) has the cell's colour.
+        cell = browser.evaluate(_box("#matrix-table td.cell.fail"))
+        pixel = image.convert("RGB").getpixel((round(cell["x"]) + 3, round(cell["y"]) + 3))
+    assert f"rgb({pixel[0]}, {pixel[1]}, {pixel[2]})" == browser.evaluate(
+        "getComputedStyle(document.querySelector('#matrix-table td.cell.fail')).backgroundColor")
+
+
+def test_a_copy_button_copies_or_selects_the_command_without_errors(browser):
+    button = browser.evaluate(_box(".failure button.copy"))
+    browser.click(button["x"] + button["width"] / 2, button["y"] + button["height"] / 2)
+    browser.wait(0.3)
+    # Copied to the clipboard ("copied"), or where the browser forbids that, selected to copy by hand.
+    state = browser.evaluate("""(() => {
+        const button = document.querySelector('.failure button.copy');
+        return {label: button.textContent, selected: getSelection().toString(),
+                command: document.getElementById(button.dataset.target).textContent}; })()""")
+    assert state["label"] == "copied" or state["selected"] == state["command"], state
+    assert state["command"] == _rerun(BACKENDS[0])
+    assert browser.console == []
+
+
+def test_the_browser_helper_sees_errors_and_stray_requests(tmp_path):
+    """The checks above can fail: a page that logs, throws and loads another file is caught."""
+    chromium = _chromium()
+    page = tmp_path / "bad.html"
+    page.write_text("<!DOCTYPE html><html><body><img src='missing.png'>"
+                    "<script>console.error('boom'); notDefined();</script></body></html>")
+    with chromium:
+        chromium.open(page)
+        chromium.wait(0.2)
+        assert chromium.requests == [(tmp_path / "missing.png").as_uri()]
+        assert any("boom" in m for m in chromium.console)
+        assert any("notDefined" in m for m in chromium.console)
+        assert chromium.evaluate("1 + 1") == 2
