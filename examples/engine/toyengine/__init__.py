@@ -1,0 +1,1 @@
+"""A toy inference engine: a few float32 kernels."""

@@ -1,0 +1,136 @@
+"""The plugin as a CI gate: exit codes, known deviations, rerun commands, and the report of a broken run.
+
+Each run is the suite in a subprocess on a few ops in float32 with the short `ci` profile, the
+plugin asked for by name (as in an engine's repository) from a folder outside this checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gemma4_conformance.plugin import (
+    EXIT_BROKEN,
+    EXIT_CONFORMANT,
+    EXIT_NOT_CONFORMANT,
+    is_broken,
+)
+from gemma4_conformance.properties.deviations import Deviations, DeviationsError
+
+ROOT = Path(__file__).resolve().parent.parent
+EPS_MISSING = "tests.mutants:ADAPTERS.rms_eps_missing"  # fails rms beyond budget in float32
+SELECT = "test_matches_oracle and (-rms] or -sigmoid])"
+
+
+def suite(tmp_path, *args, deviations: str | None = None):
+    """Run the suite in ``tmp_path``; returns (exit status, output, the JSON report or None)."""
+    command = [sys.executable, "-m", "pytest", "-p", "gemma4_conformance.plugin", "--pyargs", "gemma4_conformance",
+               "--dtype=float32", "--hypothesis-profile=ci", "-p", "no:cacheprovider",
+               f"--report-json={tmp_path / 'report.json'}", f"--report-html={tmp_path / 'report.html'}", *args]
+    if deviations is not None:
+        (tmp_path / "deviations.yaml").write_text(deviations)
+        command.append(f"--known-deviations={tmp_path / 'deviations.yaml'}")
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    path = tmp_path / "report.json"
+    return done.returncode, done.stdout + done.stderr, json.loads(path.read_text()) if path.exists() else None
+
+
+def outcomes(doc) -> dict:
+    return {r["op"]: r["outcome"] for r in doc["results"]}
+
+
+def test_a_conformant_backend_exits_0(tmp_path):
+    status, out, doc = suite(tmp_path, "--backend=numpy", "-k", SELECT)
+    assert status == EXIT_CONFORMANT, out[-3000:]
+    assert outcomes(doc)["rms"] == outcomes(doc)["sigmoid"] == "passed" and not doc["problems"]
+
+
+def test_a_result_beyond_budget_exits_1_and_the_reports_rerun_command_reproduces_it_anywhere(tmp_path):
+    status, out, doc = suite(tmp_path, f"--backend={EPS_MISSING}", "-k", SELECT)
+    assert status == EXIT_NOT_CONFORMANT, out[-3000:]
+    assert outcomes(doc)["rms"] == "failed" and outcomes(doc)["sigmoid"] == "passed"
+    rerun = next(r["rerun"] for r in doc["results"] if r["op"] == "rms")
+    assert re.search(r"rerun: pytest -p gemma4_conformance.plugin --pyargs .*-rms\]", out)  # the minimal case
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run([sys.executable, "-m", *shlex.split(rerun), "-p", "no:cacheprovider", "--report-html="],
+                          cwd=elsewhere, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == EXIT_NOT_CONFORMANT and "1 failed" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.parametrize("adapter, evidence", [("sigmoid_raises", "raised RuntimeError: kernel not compiled"),
+                                               ("sigmoid_returns_float64", "returned dtype float64")])
+def test_a_broken_adapter_exits_6_and_the_other_ops_are_still_reported(tmp_path, adapter, evidence):
+    status, out, doc = suite(tmp_path, f"--backend=tests.faulty:ADAPTERS.{adapter}", "-k", SELECT)
+    assert status == EXIT_BROKEN, out[-3000:]
+    assert outcomes(doc) == {**outcomes(doc), "sigmoid": "errored", "rms": "passed"}
+    assert [p["phase"] for p in doc["problems"]] == ["call"] and evidence in doc["problems"][0]["message"]
+    assert "conformance exit status 6" in out and (tmp_path / "report.html").exists()
+
+
+def test_a_known_deviation_is_excused_and_reported_and_stale_entries_are_warned_about(tmp_path):
+    status, out, doc = suite(tmp_path, f"--backend={EPS_MISSING}", "-k", SELECT, deviations=f"""
+backend: {EPS_MISSING}
+deviations:
+  - {{op: rms, dtype: float32, reason: eps dropped on purpose}}
+  - {{op: sigmoid, dtype: float32, reason: was a fast exp}}
+  - {{op: rope, dtype: bfloat16, reason: not in this run}}
+""")
+    assert status == EXIT_CONFORMANT, out[-3000:]
+    rms = next(r for r in doc["results"] if r["op"] == "rms")
+    assert rms["outcome"] == "known deviation" and rms["deviation"] == "eps dropped on purpose"
+    assert rms["max_ulps"] not in (None, 0)  # still measured
+    assert [d["status"] for d in doc["deviations"]] == ["excused", "conforms", "unmatched"]
+    assert "float32 sigmoid" in out and "may no longer deviate" in out
+    assert "bfloat16 rope" in out and "matches no test of this run" in out
+
+
+def test_a_known_deviation_never_excuses_an_adapter_that_breaks(tmp_path):
+    backend = "tests.faulty:ADAPTERS.sigmoid_raises"
+    status, out, doc = suite(tmp_path, f"--backend={backend}", "-k", SELECT,
+                             deviations=f"backend: {backend}\ndeviations:\n"
+                                        "  - {op: sigmoid, dtype: float32, reason: flaky kernel}\n")
+    assert status == EXIT_BROKEN, out[-3000:]
+    assert outcomes(doc)["sigmoid"] == "errored"
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--backend=no_such_engine", "--backend: "),
+    ("--known-deviations=missing.yaml", "missing.yaml: cannot read it"),
+])
+def test_a_bad_option_is_a_usage_error_naming_it(tmp_path, option, message):
+    status, out, _ = suite(tmp_path, option)
+    assert status == 4 and message in out, out[-2000:]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("- op: rms\n", "expected a mapping with 'backend'"),
+    ("backend: x\ndeviations: {op: rms}\n", "'deviations' must be a list"),
+    ("backend: x\ndeviations:\n  - {op: rms, dtype: float32}\n", "deviations[0] lacks reason"),
+    ("backend: x\ndeviations:\n  - {op: rms, dtype: float32, reason: r, ticket: 3}\n", "unknown field(s) ticket"),
+    ("backend: x\ndeviations:\n  - {op: rmsnrom, dtype: float32, reason: r}\n", "'rmsnrom' is neither an op"),
+    ("backend: x\ndeviations:\n  - {op: rms, dtype: fp32, reason: r}\n", "'fp32' is not one of"),
+    ("backend: x\ndeviations: [\n", "not valid YAML"),
+])
+def test_a_malformed_deviations_file_is_refused_naming_the_file_and_entry(tmp_path, text, message):
+    path = tmp_path / "deviations.yaml"
+    path.write_text(text)
+    with pytest.raises(DeviationsError) as error:
+        Deviations.load([str(path)])
+    assert str(path) in str(error.value) and message in str(error.value)
+
+
+def test_only_a_failure_beyond_budget_counts_as_nonconformance():
+    assert not is_broken(pytest.fail.Exception("beyond budget"))
+    assert is_broken(RuntimeError("kernel"))
+    assert is_broken(AssertionError("the suite's own check"))
+    assert not is_broken(BaseExceptionGroup("two", [pytest.fail.Exception("a"), pytest.fail.Exception("b")]))
+    assert is_broken(BaseExceptionGroup("two", [pytest.fail.Exception("a"), ValueError("b")]))
