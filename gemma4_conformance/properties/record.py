@@ -97,8 +97,9 @@ class Recorder:
                          f"logits rel. error {v.logits[0]:.3g} (baseline {v.logits[1]:.3g}), worst layer "
                          f"{worst[0]:.3g} (baseline {worst[1]:.3g}), top-1 agreement {v.top1_agreement:.0%}")
         if self.relations:
-            passed = sum(r.outcome == "passed" for r in self.relations.values())
-            lines.append(f"relations: {passed} of {len(self.relations)} held")
+            counts = {o: sum(r.outcome == o for r in self.relations.values()) for o in ("passed", "unsupported")}
+            lines.append(f"theorems of the spec: {counts['passed']} held, "
+                         f"{len(self.relations) - sum(counts.values())} did not, {counts['unsupported']} unsupported")
             for r in sorted(self.relations.values(), key=lambda r: (r.backend, r.dtype, r.relation)):
                 if r.outcome not in ("passed", "unsupported"):
                     outcome = self.outcome(r.backend, r.dtype, r.relation, r.outcome)
