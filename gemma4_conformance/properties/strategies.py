@@ -274,6 +274,45 @@ def cases(op: str, dtype: str):
     return CASES[op](dtype, op)
 
 
+LONG_SUM = 4096  # terms: a bf16 or fp16 running sum of them is off by far more than any budget allows
+
+
+def edge_cases(op: str) -> list[dict]:
+    """The cases every run checks before drawing any: long one-signed sums (dot products, sums of
+    squares, softmax denominators, attention's weighted values), where an accumulator narrower than
+    float32 fails. Drawn examples reach them only by luck in a profile of a dozen examples."""
+    def positive(shape, seed, log2=0):
+        return {"shape": list(shape), "dist": "positive", "log2": log2, "seed": seed}
+
+    K, L = LONG_SUM, 1024
+    if op in ("linear", "lm_head"):
+        args = {"W": positive([4, K], 1), "x": positive([2, K], 2)}
+        if op == "lm_head":
+            args |= {"mul": 1.0, "cap": None}
+        return [{"args": args, "cancel": None}]
+    if op == "gate_up":
+        return [{"args": {"Wg": positive([4, K], 1), "Wu": positive([4, K], 3), "x": positive([2, K], 2)},
+                 "cancel": None}]
+    if op in ("rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm"):
+        names = [a.name for a in CONTRACT[op].args if a.kind == "float"]
+        shapes = {"x": [2, K], "z": [2, K], "w": [K]}
+        return [{"args": {"eps": 1e-6, **{n: positive(shapes[n], seed) for seed, n in enumerate(names, 1)}}}]
+    if op == "softmax":  # nearly equal logits: K terms of about 1/K each
+        return [{"args": {"s": positive([2, K], 1, log2=-20), "visible": {"pattern": "all", "seed": 0}},
+                 "offset": 0.0}]
+    if op in ("causal_gqa", "sliding_gqa", "decode_gqa"):  # scale 0: L equally weighted one-signed values
+        Hkv, G, D = 1, 2, 64
+        args = {"scale": 0.0, "k": positive([L, Hkv, D], 2), "v": positive([L, Hkv, D], 3)}
+        if op == "decode_gqa":
+            args["q"] = positive([Hkv, G, D], 1)
+        else:
+            args |= {"pos": [L - 1], "q": positive([1, Hkv, G, D], 1)}
+        if op == "sliding_gqa":
+            args["window"] = L
+        return [{"args": {name: args[name] for name in (a.name for a in CONTRACT[op].args)}}]
+    return []
+
+
 def build(op: str, case: dict, dtype: str) -> tuple:
     """The op's arguments in Lean order, floating arrays in ``dtype``, from a case."""
     spec = CONTRACT[op]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, target
+from hypothesis import currently_in_test_context, given, target
 from hypothesis import strategies as st
 
 from .harness import ContractViolation, Unsupported, judge, rerun_command
-from .strategies import cases
+from .strategies import cases, edge_cases
 
 
 def check(request, backend, adapter, dtype, op, case):
@@ -23,7 +23,7 @@ def check(request, backend, adapter, dtype, op, case):
         record.outcome, record.message = "errored", str(e)
         raise ContractViolation(f"{e}\n  rerun: {command}") from None
     record.add(verdict.max_error, verdict.budget, case, command)
-    if request.config.conformance_case is None:
+    if currently_in_test_context():  # a drawn example, not an edge case or a --case rerun
         target(verdict.max_error / verdict.budget, label="error / budget")  # search towards the budget's edge
     if not verdict.passed:
         record.outcome, record.message = "failed", verdict.failures[0]
@@ -35,6 +35,9 @@ def test_matches_oracle(request, backend, adapter, dtype, op):
     if case is not None:
         check(request, backend, adapter, dtype, op, case)
     else:
+        for edge in edge_cases(op):  # checked in every profile, before any drawn example
+            check(request, backend, adapter, dtype, op, edge)
+
         @given(st.data())
         def examples(data):
             check(request, backend, adapter, dtype, op, data.draw(cases(op, dtype), label="case"))
