@@ -49,7 +49,7 @@ def kill(run: Run, profile: str) -> tuple[list[str], float, str]:
     with tempfile.TemporaryDirectory() as folder:
         report = Path(folder) / "junit.xml"
         command = [sys.executable, "-m", "pytest", *run.selection, f"--backend={run.backend}",
-                   f"--dtype={run.dtype}", f"--hypothesis-profile={profile}", "-x", "-q", "-p", "no:cacheprovider",
+                   f"--dtype={run.dtype}", f"--hypothesis-profile={profile}", "-x", "-q", "-p", "no:cacheprovider", "--report-html=",
                    f"--junitxml={report}"]
         start = time.perf_counter()
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
