@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def reported(outcome: str, deviation: str) -> str:
+    """The outcome as reported: a failure a known-deviations entry covers (``deviation``, its reason)
+    is a "known deviation"."""
+    return "known deviation" if deviation and outcome == "failed" else outcome
+
+
 @dataclass
 class OpRecord:
     backend: str
@@ -79,8 +85,7 @@ class Recorder:
         return self.relations[key]
 
     def outcome(self, backend: str, dtype: str, subject: str, outcome: str) -> str:
-        """The outcome as reported: a failure listed in a known-deviations file is a "known deviation"."""
-        return "known deviation" if outcome == "failed" and (backend, dtype, subject) in self.excused else outcome
+        return reported(outcome, self.excused.get((backend, dtype, subject), ""))
 
     def table(self) -> list[str]:
         """The terminal summary: one line per backend x dtype x op, the forward verdicts, failed relations."""

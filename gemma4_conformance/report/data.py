@@ -113,7 +113,8 @@ means "not measured" (an op with no examples has no error statistics).
 
     backend, op, dtype, reason, file   the entry as written in its file
     status          "excused" (a test it covers failed and was excused), "conforms" (its tests all
-                    passed: the entry may be stale) or "unmatched" (it covers no test of the run)
+                    passed: the entry may be stale), "not judged" (its tests were skipped or broke)
+                    or "unmatched" (it covers no test of the run)
     tests           array of strings: the node ids of the tests it covers
 """
 
@@ -129,6 +130,8 @@ from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+
+from gemma4_conformance.properties.record import reported
 
 SCHEMA = "gemma4-conformance-report"
 VERSION = 1
@@ -242,7 +245,7 @@ def result_entry(record, excused: dict | None = None) -> dict:
         "backend": record.backend,
         "dtype": record.dtype,
         "op": record.op,
-        "outcome": "known deviation" if deviation and record.outcome == "failed" else record.outcome,
+        "outcome": reported(record.outcome, deviation),
         "examples": int(record.examples),
         "max_ulps": encode(record.worst_ulps) if measured else None,
         "p99_ulps": encode(record.quantile(0.99)) if measured else None,
@@ -267,7 +270,7 @@ def relation_entry(record, excused: dict | None = None) -> dict:
         "dtype": record.dtype,
         "relation": record.relation,
         "ops": list(record.ops),
-        "outcome": "known deviation" if deviation and record.outcome == "failed" else record.outcome,
+        "outcome": reported(record.outcome, deviation),
         "examples": int(record.examples),
         "message": record.message,
         "rerun": record.rerun,
@@ -288,7 +291,7 @@ def forward_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dic
     return {
         "backend": backend,
         "dtype": dtype,
-        "outcome": ("known deviation" if deviation else "failed") if failures else "passed",
+        "outcome": reported("failed" if failures else "passed", deviation),
         "layers": {"candidate": [encode(c) for c, _ in verdict.layers],
                    "baseline": [encode(b) for _, b in verdict.layers]},
         "logits": {"candidate": encode(verdict.logits[0]), "baseline": encode(verdict.logits[1])},
