@@ -128,7 +128,7 @@ def backend_dtypes(config):
 
 def pytest_generate_tests(metafunc):
     """Parametrise the property tests over backend x dtype x (op or relation), or backend alone."""
-    if not metafunc.module.__name__.startswith("gemma4_conformance."):
+    if not _suite_module(metafunc.module):
         return
     if "op" in metafunc.fixturenames and "backend" in metafunc.fixturenames:
         params = [pytest.param(spec, adapter, dtype, op, id=f"{adapter.name}-{dtype}-{op}")
@@ -144,9 +144,12 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("backend, adapter", params)
 
 
-def in_suite(item) -> bool:
-    module = getattr(item, "module", None)
+def _suite_module(module) -> bool:
     return module is not None and module.__name__.startswith("gemma4_conformance.")
+
+
+def in_suite(item) -> bool:
+    return _suite_module(getattr(item, "module", None))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -169,12 +172,13 @@ def pytest_runtest_makereport(item, call):
     if not in_suite(item):
         return rep
     recorder = item.config.conformance_recorder
-    if rep.when == "call" and rep.skipped and hasattr(rep, "wasxfail"):
-        entry = item.config.conformance_deviations.entry_for(item)
-        if entry is not None:
-            entry.excused.append(item.nodeid)
-            _, name, dtype, what = subject(item)
-            recorder.excused[name, dtype, what] = entry.reason
+    entry = item.config.conformance_deviations.entry_for(item)
+    if entry is not None and rep.when == "call" and rep.passed:
+        entry.passed.append(item.nodeid)
+    if entry is not None and rep.when == "call" and rep.skipped and hasattr(rep, "wasxfail"):
+        entry.excused.append(item.nodeid)
+        _, name, dtype, what = subject(item)
+        recorder.excused[name, dtype, what] = entry.reason
     elif rep.failed and (rep.when != "call" or call.excinfo is not None and is_broken(call.excinfo.value)):
         recorder.problems.append(Problem(item.nodeid, rep.when, call.excinfo.exconly()[:2000]))
     return rep

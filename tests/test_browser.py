@@ -61,6 +61,11 @@ def _rgb(hex_colour: str) -> str:
     return f"rgb({r}, {g}, {b})"
 
 
+def _rgb_of_class(browser, cls: str) -> str:
+    """The background the matrix gives cells of class ``cls``."""
+    return browser.evaluate(f"getComputedStyle(document.querySelector('#matrix-table td.cell.{cls}')).backgroundColor")
+
+
 def _rerun(backend: str) -> str:
     return ROPE_COMMAND.replace("torch", backend)
 
@@ -111,8 +116,19 @@ def test_the_matrix_is_visible_with_a_row_per_op_and_coloured_cells(browser, doc
     assert all(len(colours) == 1 for colours in backgrounds.values()), backgrounds  # one colour per class
     coloured = {cls: colours.pop() for cls, colours in backgrounds.items()}
     assert coloured["none"] in WHITE
-    assert all(coloured[cls] not in WHITE for cls in ("fail", "warn", "ok", "unsup"))
-    assert len({coloured[cls] for cls in ("fail", "warn", "ok", "unsup")}) == 4  # told apart by colour
+    verdicts = ("fail", "known", "warn", "ok", "unsup")
+    assert all(coloured[cls] not in WHITE for cls in verdicts)
+    assert len({coloured[cls] for cls in verdicts}) == len(verdicts)  # told apart by colour
+
+
+def test_the_theorem_matrix_is_visible_with_held_and_violated_cells(browser):
+    box = browser.evaluate(_box("#theorem-table"))
+    assert box["width"] > 0 and box["height"] > 0
+    cells = browser.evaluate("""[...document.querySelectorAll('#theorem-table td.cell')]
+        .filter(td => td.textContent.trim()).map(td => [td.textContent.trim(), getComputedStyle(td).backgroundColor])""")
+    colours = dict(cells)
+    assert set(colours) == {"held", "violated"}
+    assert colours["violated"] == _rgb_of_class(browser, "fail") != colours["held"]
 
 
 def test_every_chart_is_an_svg_with_its_data_drawn(browser):

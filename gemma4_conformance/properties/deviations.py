@@ -42,12 +42,17 @@ class Deviation:
     file: str
     matched: list[str] = field(default_factory=list)  # node ids of the tests it covers
     excused: list[str] = field(default_factory=list)  # those that failed and were excused
+    passed: list[str] = field(default_factory=list)  # those that passed
 
     @property
     def status(self) -> str:
+        """unmatched (covers no test), excused (a covered test failed and was excused), conforms (every
+        covered test passed), or not judged (they were skipped, or broke: neither says it deviates)."""
         if not self.matched:
             return "unmatched"
-        return "excused" if self.excused else "conforms"
+        if self.excused:
+            return "excused"
+        return "conforms" if len(self.passed) == len(self.matched) else "not judged"
 
 
 def subject(item) -> tuple[str, str, str, str] | None:
@@ -104,6 +109,8 @@ class Deviations:
             elif e.status == "conforms":
                 lines.append(f"warning: {where} passed in all {len(e.matched)} test(s); it may no longer "
                              f"deviate; remove it")
+            elif e.status == "not judged":
+                lines.append(f"warning: {where}: its tests were skipped or broke, so it was not judged")
             else:
                 lines.append(f"excused: {where}: {e.reason}")
         return lines
