@@ -16,7 +16,8 @@ Its hooks touch only the suite's own tests, even in a run that collects others t
     pytest ... --known-deviations=FILE        failures the backend's authors have accepted (deviations.py)
 
 The exit status tells a CI gate what happened (EXIT_CODES below): 0 conformant, 1 not conformant,
-6 an adapter or the suite broke (raised, or broke the contract), and pytest's own codes otherwise.
+6 an adapter or the suite broke (raised, or broke the contract, or a report could not be written),
+and pytest's own codes otherwise.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ EXIT_CODES = {
     3: "internal error (pytest)",
     4: "usage error: a bad option, backend, dtype or known-deviations file (pytest)",
     5: "no tests were collected (pytest)",
-    EXIT_BROKEN: "broken: an adapter raised or broke the contract, or the suite errored; fix that first",
+    EXIT_BROKEN: "broken: an adapter raised or broke the contract, the suite errored, or a report could not be "
+                 "written; fix that first",
 }
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -92,6 +94,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: the real 12B geometry (about 10 minutes, 24 GB of disk); "
                                        "run with -m slow")
     config.conformance_recorder = Recorder()
+    config.conformance_reports = []  # a line per report: where it was written, or why it was not
+    config.conformance_report_failed = False
     dtypes = [d.strip() for d in config.getoption("--dtype").split(",") if d.strip()]
     unknown = sorted(set(dtypes) - set(DTYPES))
     if unknown:
@@ -195,13 +199,38 @@ def is_broken(error: BaseException) -> bool:
 
 
 def exit_status(config, exitstatus: int) -> int:
-    """pytest's status, with 6 for a run that broke (it wins over 1: the verdict is incomplete)."""
-    if int(exitstatus) in (EXIT_CONFORMANT, EXIT_NOT_CONFORMANT) and config.conformance_recorder.problems:
+    """pytest's status, with 6 for a run that broke or whose report could not be written (it wins over
+    1: the verdict is incomplete)."""
+    broke = config.conformance_recorder.problems or config.conformance_report_failed
+    if int(exitstatus) in (EXIT_CONFORMANT, EXIT_NOT_CONFORMANT) and broke:
         return EXIT_BROKEN
     return int(exitstatus)
 
 
+def write_reports(config) -> None:
+    """Write the JSON and HTML reports, each on its own, so that one that fails leaves the other."""
+    paths = {"JSON": config.getoption("--report-json"), "HTML": config.getoption("--report-html") or None}
+    paths = {kind: path for kind, path in paths.items() if path is not None}
+    if not paths:
+        return
+    command = shlex.join(["pytest", *config.invocation_params.args])
+    doc = None
+    for kind, path in paths.items():
+        try:
+            doc = doc or report.document(config.conformance_recorder, report.environment(command=command),
+                                         config.conformance_deviations.entries)
+            written = report.dump(doc, path) if kind == "JSON" else report.write_html(path, [doc])
+        except Exception as e:  # noqa: BLE001 - the suite's fault or a bad path: said, the run exits 6, nothing lost
+            config.conformance_report_failed = True
+            config.conformance_reports.append(f"conformance report: the {kind} report {path} could not be "
+                                              f"written: {type(e).__name__}: {e}")
+        else:
+            config.conformance_reports.append(f"conformance report: {written}")
+
+
 def pytest_sessionfinish(session, exitstatus):
+    if getattr(session.config, "conformance_collected", 0):
+        write_reports(session.config)
     session.exitstatus = exit_status(session.config, exitstatus)
 
 
@@ -219,13 +248,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.section("conformance: broken (an adapter raised or broke the contract, or the suite errored)")
         for problem in recorder.problems:
             terminalreporter.write_line(f"{problem.test} ({problem.phase}): {problem.message.splitlines()[0]}", red=True)
-    terminalreporter.section("conformance: largest error per backend, dtype and op (ULPs at the op's scale)")
+    terminalreporter.section("conformance: per backend, dtype and op, the example nearest its budget "
+                             "(ULPs at the op's scale)")
     for line in recorder.table():
         terminalreporter.write_line(line)
-    written = report.save(recorder, html=config.getoption("--report-html") or None,
-                          json=config.getoption("--report-json"), deviations=deviations.entries,
-                          command=shlex.join(["pytest", *config.invocation_params.args]))
-    for path in written:
-        terminalreporter.write_line(f"conformance report: {path}")
+    for line in config.conformance_reports:
+        terminalreporter.write_line(line, red=config.conformance_report_failed and "could not" in line)
     status = exit_status(config, exitstatus)
     terminalreporter.write_line(f"conformance exit status {status}: {EXIT_CODES.get(status, 'see pytest')}")

@@ -43,6 +43,14 @@ def suite(tmp_path, *args, deviations: str | None = None):
     return done.returncode, done.stdout + done.stderr, json.loads(path.read_text()) if path.exists() else None
 
 
+def rerun_elsewhere(tmp_path, rerun: str) -> subprocess.CompletedProcess:
+    """Run a report's rerun command from a folder of its own, as a reader who copied it would."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-m", *shlex.split(rerun), "-p", "no:cacheprovider", "--report-html="],
+                          cwd=elsewhere, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 def outcomes(doc) -> dict:
     return {r["op"]: r["outcome"] for r in doc["results"]}
 
@@ -59,10 +67,17 @@ def test_a_result_beyond_budget_exits_1_and_the_reports_rerun_command_reproduces
     assert outcomes(doc)["rms"] == "failed" and outcomes(doc)["sigmoid"] == "passed"
     rerun = next(r["rerun"] for r in doc["results"] if r["op"] == "rms")
     assert re.search(r"rerun: pytest -p gemma4_conformance.plugin --pyargs .*-rms\]", out)  # the minimal case
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    done = subprocess.run([sys.executable, "-m", *shlex.split(rerun), "-p", "no:cacheprovider", "--report-html="],
-                          cwd=elsewhere, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = rerun_elsewhere(tmp_path, rerun)
+    assert done.returncode == EXIT_NOT_CONFORMANT and "1 failed" in done.stdout, done.stdout[-3000:]
+
+
+def test_a_wrong_forward_exits_1_and_its_rerun_command_reproduces_it(tmp_path):
+    backend = "tests.forward_mutants:ADAPTERS.final_softcap_missing"
+    status, out, doc = suite(tmp_path, f"--backend={backend}", "-k", "test_forward_matches_reference")
+    assert status == EXIT_NOT_CONFORMANT, out[-3000:]
+    [forward] = doc["forward"]
+    assert forward["outcome"] == "failed" and forward["rerun"] in out
+    done = rerun_elsewhere(tmp_path, forward["rerun"])
     assert done.returncode == EXIT_NOT_CONFORMANT and "1 failed" in done.stdout, done.stdout[-3000:]
 
 
@@ -74,6 +89,18 @@ def test_a_broken_adapter_exits_6_and_the_other_ops_are_still_reported(tmp_path,
     assert outcomes(doc)["sigmoid"] == "errored" and outcomes(doc)["rms"] == "passed"
     assert [p["phase"] for p in doc["problems"]] == ["call"] and evidence in doc["problems"][0]["message"]
     assert "conformance exit status 6" in out and (tmp_path / "report.html").exists()
+    rerun = next(r["rerun"] for r in doc["results"] if r["op"] == "sigmoid")  # the case it broke on
+    done = rerun_elsewhere(tmp_path, rerun)
+    assert done.returncode == EXIT_BROKEN and evidence in done.stdout, done.stdout[-3000:]
+
+
+def test_a_report_that_cannot_be_written_exits_6_naming_it_and_the_other_is_still_written(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    blocked = tmp_path / "a-file" / "report.html"
+    status, out, doc = suite(tmp_path, "--backend=numpy", "-k", SELECT, f"--report-html={blocked}")
+    assert status == EXIT_BROKEN, out[-3000:]
+    assert f"the HTML report {blocked} could not be written: FileExistsError" in out
+    assert outcomes(doc)["rms"] == "passed"  # the JSON report was written all the same
 
 
 def test_a_known_deviation_is_excused_and_reported_and_stale_entries_are_warned_about(tmp_path):

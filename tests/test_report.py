@@ -20,6 +20,9 @@ from gemma4_conformance.report.__main__ import main
 ROPE_COMMAND = ("pytest -p gemma4_conformance.plugin --pyargs "
                 "'gemma4_conformance.properties.test_agreement::test_matches_oracle[torch-bfloat16-rope]' "
                 "--backend=torch '--case={\"args\":{\"x\":{\"seed\":7}}}'")
+FORWARD_COMMAND = ("pytest -p gemma4_conformance.plugin --pyargs "
+                   "'gemma4_conformance.properties.test_forward::test_forward_matches_reference[torch-float32]' "
+                   "--backend=torch")
 HOSTILE = "<script>alert(1)</script>"
 
 
@@ -43,22 +46,25 @@ def make_recorder(backend: str = "torch") -> Recorder:
     _record(recorder, backend, "bfloat16", "linear", [], 0.0, "unsupported")
     _record(recorder, backend, "float32", "rope", [3.0, 3.5], 4.5, "passed")  # headroom 1.29: orange
     _record(recorder, backend, "float32", "silu", [0.0, 0.0], 9.5, "passed")  # exact: infinite headroom
-    _record(recorder, backend, "float32", "sigmoid", [], 0.0, "errored", "returned float64 for float32 input")
+    sigmoid = _record(recorder, backend, "float32", "sigmoid", [], 0.0, "errored", "returned float64 for float32 input")
+    sigmoid.worst_command = ROPE_COMMAND.replace("torch", backend).replace("bfloat16-rope", "float32-sigmoid")
     _record(recorder, backend, "float32", "softcap", [0.5, 40.0], 9.5, "failed", "error 40 ULPs > budget 9.5")
     recorder.excused[backend, "float32", "softcap"] = "fast tanh, accepted"
     held = recorder.relation(backend, "bfloat16", "softmax_sums_to_one", ("softmax",))
     held.examples, held.outcome = 12, "passed"
     broken = recorder.relation(backend, "float32", "rope_keeps_pair_norms", ("rope",))
     broken.examples, broken.outcome, broken.message = 3, "failed", "pair norm: at (0, 1) 1.5 vs 1.0"
-    broken.rerun = ROPE_COMMAND.replace("test_agreement::test_matches_oracle", "test_relations::test_relation_holds")
+    broken.rerun = ROPE_COMMAND.replace("torch", backend).replace("test_agreement::test_matches_oracle",
+                                                                   "test_relations::test_relation_holds")
     recorder.problems.append(Problem(f"test_matches_oracle[{backend}-float32-sigmoid]", "call",
                                      "ContractViolation: sigmoid returned dtype float64, expected float32"))
     layers = [(1e-3 * (1 + i / 4), 1e-3 * (1 + i / 5)) for i in range(6)]
     recorder.forward[backend, "bfloat16"] = SimpleNamespace(layers=layers, logits=(2e-3, 1.6e-3), top1_agreement=1.0,
-                                                            logprob_gap=(0.01, 0.008), failures=[])
+                                                            logprob_gap=(0.01, 0.008), failures=[], rerun="")
     recorder.forward[backend, "float32"] = SimpleNamespace(
         layers=[(1e-5, 1e-7)] * 3, logits=(1e-5, 1e-7), top1_agreement=0.75, logprob_gap=(0.2, 1e-6),
-        failures=["layer 0: relative error 1e-05 > 3.0 x baseline 1e-07 (floor 9.5e-07)"])
+        failures=["layer 0: relative error 1e-05 > 3.0 x baseline 1e-07 (floor 9.5e-07)"],
+        rerun=FORWARD_COMMAND.replace("torch", backend))
     return recorder
 
 
@@ -101,20 +107,20 @@ def test_the_document_round_trips_through_strict_json_and_load(doc, tmp_path):
     text = path.read_text()
     json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
     assert report.load(path) == doc
-    assert doc["schema"] == "gemma4-conformance-report" and doc["version"] == 1
+    assert doc["schema"] == "gemma4-conformance-report" and doc["version"] == 2
 
 
 def test_a_result_entry_carries_the_measurements_budget_and_rerun(doc):
     rope = _result(doc, "bfloat16", "rope")
     assert (rope["backend"], rope["outcome"], rope["examples"]) == ("torch", "failed", 4)
-    assert rope["max_ulps"] == 7.1 and rope["budget_ulps"] == 4.5
+    assert rope["worst_ulps"] == rope["max_ulps"] == 7.1 and rope["budget_ulps"] == 4.5
     assert rope["headroom"] == pytest.approx(4.5 / 7.1)
     assert rope["median_ulps"] == pytest.approx(1.75) and 2.5 < rope["p99_ulps"] <= 7.1
     assert rope["budget_formula"] == budget("rope", "bfloat16").formula
     assert rope["error_model"] == budget("rope", "bfloat16").model
     assert rope["worst_case"] == {"args": {"x": {"seed": 2}}}
     assert rope["rerun"] == ROPE_COMMAND and HOSTILE in rope["message"]
-    assert rope["histogram"] == [1.0, 2.5, 7.1, 0.5]
+    assert rope["histogram"] == [float(f"{e / 4.5:.4g}") for e in (1.0, 2.5, 7.1, 0.5)]  # fractions of the budget
     unsupported = _result(doc, "bfloat16", "linear")
     assert unsupported["outcome"] == "unsupported" and unsupported["examples"] == 0
     assert all(unsupported[k] is None for k in ("max_ulps", "p99_ulps", "median_ulps", "budget_ulps", "headroom"))
@@ -126,11 +132,25 @@ def test_a_result_entry_carries_the_measurements_budget_and_rerun(doc):
         ("bfloat16", "rope"), ("bfloat16", "linear"), ("bfloat16", "softmax")]
 
 
+def test_the_worst_example_is_the_one_nearest_its_budget_not_the_largest_error():
+    """Budgets grow with an example's dimensions: 12 ULPs against 100 is better than 3 against 3.5."""
+    recorder = Recorder()
+    record = recorder("torch", "float64", "lm_head")
+    assert record.add(12.0, 100.0, {"k": 1}, "cmd-1") and record.add(3.0, 3.5, {"k": 2}, "cmd-2")
+    assert not record.add(1.0, 3.5, {"k": 3}, "cmd-3")
+    record.outcome = "passed"
+    [entry] = report.document(recorder, {})["results"]
+    assert (entry["worst_ulps"], entry["budget_ulps"], entry["rerun"]) == (3.0, 3.5, "cmd-2")
+    assert entry["headroom"] == pytest.approx(3.5 / 3) and entry["max_ulps"] == 12.0
+    assert entry["histogram"] == [0.12, 0.8571, 0.2857]
+
+
 def test_a_forward_entry_has_per_layer_errors_and_the_verdict(doc):
     bf16, fp32 = (next(f for f in doc["forward"] if f["dtype"] == d) for d in ("bfloat16", "float32"))
     assert bf16["outcome"] == "passed" and len(bf16["layers"]["candidate"]) == 6 == len(bf16["layers"]["baseline"])
     assert bf16["logits"] == {"candidate": 2e-3, "baseline": 1.6e-3}
     assert bf16["logprob_gap"] == {"candidate": 0.01, "baseline": 0.008} and bf16["top1_agreement"] == 1.0
+    assert bf16["rerun"] == "" and fp32["rerun"] == FORWARD_COMMAND
     assert bf16["factor"] == 3.0 and bf16["floor"] > 0
     assert fp32["outcome"] == "failed" and fp32["failures"][0].startswith("layer 0")
 
@@ -140,7 +160,8 @@ def test_the_histogram_is_capped_and_keeps_the_extremes():
     _record(recorder, "numpy", "float32", "sigmoid", [i / 100 for i in range(2000)], 30.0, "passed")
     entry = report.document(recorder, {})["results"][0]
     assert len(entry["histogram"]) == 500 and entry["examples"] == 2000
-    assert min(entry["histogram"]) == 0.0 and max(entry["histogram"]) == 19.99 == entry["max_ulps"]
+    assert min(entry["histogram"]) == 0.0
+    assert max(entry["histogram"]) == 0.6663 == float(f"{entry['max_ulps'] / 30:.4g}")
 
 
 def test_the_environment_names_suite_libraries_python_cpu_and_date():
@@ -155,7 +176,7 @@ def test_the_environment_names_suite_libraries_python_cpu_and_date():
 
 @pytest.mark.parametrize("mutate, says", [
     (lambda d: d.update(schema="something-else"), "not a gemma4-conformance-report"),
-    (lambda d: d.update(version=2), "version 2 is newer"),
+    (lambda d: d.update(version=3), "version 3 is newer"),
     (lambda d: d.update(version="1"), '"version" is'),
     (lambda d: d.pop("results"), '"results" is missing'),
     (lambda d: d["results"][1].pop("rerun"), "results[1] lacks the field 'rerun'"),
@@ -232,7 +253,10 @@ def test_the_failures_section_comes_first_and_names_the_op_and_its_rerun(page):
     assert ROPE_COMMAND not in failures and ROPE_COMMAND in html.unescape(failures)  # escaped, copyable as is
     assert "1.58" in failures  # 7.1 / 4.5: by how much
     assert "sigmoid" in failures and "returned float64" in failures  # errored ops count as failures
-    assert "layer 0: relative error" in failures  # and so does a failed forward
+    assert "layer 0: relative error" in failures  # and so does a failed forward,
+    assert FORWARD_COMMAND in html.unescape(failures)  # with the command that reruns it
+    assert "float32-sigmoid]" in html.unescape(failures)  # as the errored op has the case it broke on
+    assert "no rerun command recorded" not in failures
     assert "softmax" not in failures
 
 

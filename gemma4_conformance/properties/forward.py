@@ -108,6 +108,7 @@ class ForwardVerdict:
     top1_agreement: float  # fraction of positions whose top-1 token matches the reference
     logprob_gap: tuple[float, float]  # largest |log p - log p_ref| of candidate and baseline
     failures: list[str]
+    rerun: str = ""  # the command that reruns the forward test (set by the test, which knows it)
 
 
 def judge_forward(candidate: dict, baseline: dict, ref: dict, dtype: str) -> ForwardVerdict:
@@ -115,11 +116,17 @@ def judge_forward(candidate: dict, baseline: dict, ref: dict, dtype: str) -> For
     failures = []
     layers = []
     if candidate.get("hidden_states") is not None:
-        for i, (c, b, r) in enumerate(zip(candidate["hidden_states"], baseline["hidden_states"], ref["hidden_states"])):
-            ec, eb = relative_error(c, r), relative_error(b, r)
-            layers.append((ec, eb))
-            if not ec <= max(FACTOR * eb, floor):
-                failures.append(f"layer {i}: relative error {ec:.3g} > {FACTOR} x baseline {eb:.3g} (floor {floor:.3g})")
+        for c, b, r in zip(candidate["hidden_states"], baseline["hidden_states"], ref["hidden_states"]):
+            layers.append((relative_error(c, r), relative_error(b, r)))
+    allowed = [max(FACTOR * eb, floor) for _, eb in layers]
+    beyond = [i for i, (ec, _) in enumerate(layers) if not ec <= allowed[i]]
+    if beyond:  # one line, not one per layer: a wrong op usually puts every later layer off too
+        def layer(i):
+            return f"layer {i}: relative error {layers[i][0]:.3g} vs baseline {layers[i][1]:.3g}"
+
+        worst = max(beyond, key=lambda i: layers[i][0] / allowed[i])
+        failures.append(f"{len(beyond)} of {len(layers)} layers beyond {FACTOR} x baseline (floor {floor:.3g}); "
+                        f"first {layer(beyond[0])}" + (f"; worst {layer(worst)}" if worst != beyond[0] else ""))
     ec, eb = relative_error(candidate["logits"], ref["logits"]), relative_error(baseline["logits"], ref["logits"])
     if not ec <= max(FACTOR * eb, floor):
         failures.append(f"logits: relative error {ec:.3g} > {FACTOR} x baseline {eb:.3g} (floor {floor:.3g})")

@@ -152,11 +152,13 @@ def case_json(case: dict) -> str:
     return json.dumps(case, separators=(",", ":"))
 
 
-def rerun_command(item, backend: str, case: dict | None = None) -> str:
-    """The command that reruns exactly this test (and ``case``): by module path, so it works from any
-    folder where the suite is installed, an engine's repository included."""
+def rerun_command(item, backend: str, case: dict | None = None, weights: str | None = None) -> str:
+    """The command that reruns exactly this test (and ``case``, or the checkpoint at ``weights``): by
+    module path, so it works from any folder where the suite is installed, an engine's repository included."""
     command = ["pytest", "-p", "gemma4_conformance.plugin", "--pyargs", f"{item.module.__name__}::{item.name}",
                f"--backend={backend}"]
     if case is not None:
         command.append(f"--case={case_json(case)}")
+    if weights is not None:
+        command.append(f"--weights={weights}")
     return shlex.join(command)

@@ -20,23 +20,34 @@ class OpRecord:
     dtype: str
     op: str
     examples: int = 0
-    budget: float = 0.0  # the budget of the worst example, in ULPs at the scale
-    worst_ulps: float = 0.0
+    # The worst example is the one with the least headroom (its error over its budget is largest); a
+    # budget depends on the example's dimensions, so it need not be the example with the largest error.
+    budget: float = 0.0  # the worst example's budget, in ULPs at the scale
+    worst_ulps: float = 0.0  # the worst example's error
     worst_case: dict | None = None
     worst_command: str = ""
     per_example: list[float] = field(default_factory=list)  # each example's largest error in ULPs
+    fractions: list[float] = field(default_factory=list)  # each example's largest error over its budget
     outcome: str = "not run"  # passed, failed, unsupported, errored
-    message: str = ""
+    message: str = ""  # why the worst example failed, or why the op errored
 
-    def add(self, ulps: float, budget: float, case: dict, command: str) -> None:
+    def add(self, ulps: float, budget: float, case: dict, command: str) -> bool:
+        """Count one example; returns whether it is now the worst."""
         self.examples += 1
         self.per_example.append(ulps)
+        self.fractions.append(ulps / budget)
         if self.worst_case is None or ulps / budget > self.worst_ulps / self.budget:
             self.worst_ulps, self.budget, self.worst_case, self.worst_command = ulps, budget, case, command
+            return True
+        return False
+
+    @property
+    def max_ulps(self) -> float:
+        return max(self.per_example, default=0.0)
 
     @property
     def headroom(self) -> float:
-        """Budget over the worst error: above 1 passes; how much room is left."""
+        """The worst example's budget over its error: above 1 passes; how much room is left."""
         return self.budget / self.worst_ulps if self.worst_ulps else float("inf")
 
     def quantile(self, q: float) -> float:
@@ -90,7 +101,7 @@ class Recorder:
     def table(self) -> list[str]:
         """The terminal summary: one line per backend x dtype x op, the forward verdicts, failed relations."""
         lines = [f"{'backend':<8} {'dtype':<9} {'op':<15} {'outcome':<11} {'examples':>8} "
-                 f"{'max ULPs':>10} {'budget':>9} {'headroom':>9}"]
+                 f"{'ULPs':>10} {'budget':>9} {'headroom':>9}"]
         for r in sorted(self.records.values(), key=lambda r: (r.backend, r.dtype, r.op)):
             outcome = self.outcome(r.backend, r.dtype, r.op, r.outcome)
             lines.append(f"{r.backend:<8} {r.dtype:<9} {r.op:<15} {outcome:<11} {r.examples:>8} "

@@ -17,6 +17,7 @@ from gemma4_conformance.fixtures import checkpoint, generate
 from gemma4_conformance.spec.model import OPS_USED
 
 from .forward import composed, judge_forward, reference
+from .harness import rerun_command
 
 FORWARD_DTYPES = ("float32", "bfloat16")
 TOKENS = 24  # more than the generated model's sliding window, so the window is exercised
@@ -54,9 +55,11 @@ def test_forward_matches_reference(request, backend, adapter, forward_dtype, mod
     candidate = composed(adapter, weights.config, weights, tokens, forward_dtype)
     baseline = composed(numpy_backend, weights.config, weights, tokens, forward_dtype)
     verdict = judge_forward(candidate, baseline, ref, forward_dtype)
+    # Deterministic (the generated checkpoint and the tokens are seeded), so the test's id reruns it.
+    verdict.rerun = rerun_command(request.node, backend, weights=request.config.getoption("--weights"))
     request.config.conformance_recorder.forward[adapter.name, forward_dtype] = verdict
     if verdict.failures:
-        pytest.fail("\n".join(verdict.failures), pytrace=False)
+        pytest.fail("\n".join(verdict.failures) + f"\n  rerun: {verdict.rerun}", pytrace=False)
 
 
 SLOW_TOKENS = 8
@@ -70,7 +73,7 @@ def test_forward_at_the_real_12b_geometry(request, backend, adapter, tmp_path_fa
     process's).  Generated in the real layout unless ``--weights`` names real weights."""
     timings = {}
     start = time.perf_counter()
-    path = request.config.getoption("--weights")
+    path = given = request.config.getoption("--weights")
     if path is None:
         path = generate.write_checkpoint(tmp_path_factory.mktemp("gemma4-12b"), generate.real_config(), seed=0,
                                          shards=5)
@@ -88,11 +91,12 @@ def test_forward_at_the_real_12b_geometry(request, backend, adapter, tmp_path_fa
         timings[stage] = time.perf_counter() - start
     (ref, certificate), candidate, baseline = results["reference"], results["backend"], results["baseline"]
     verdict = judge_forward(candidate, baseline, ref, dtype)
+    verdict.rerun = rerun_command(request.node, backend, weights=given) + " -m slow -s"
     request.config.conformance_recorder.forward[f"{adapter.name} (12B)", dtype] = verdict
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"\n12B geometry, {SLOW_TOKENS} tokens: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
           + f"; peak RSS {peak / 2**30:.2f} GiB; certified op calls {certificate.calls}")
     assert not certificate.failures, "\n".join(certificate.failures[:10])  # the suite's own reference broke
     if verdict.failures:
-        pytest.fail("\n".join(verdict.failures), pytrace=False)
+        pytest.fail("\n".join(verdict.failures) + f"\n  rerun: {verdict.rerun}", pytrace=False)
     assert peak <= RSS_LIMIT, f"peak RSS {peak / 2**30:.2f} GiB > 8 GiB"

@@ -20,9 +20,10 @@ def test_relation_holds(request, backend, adapter, dtype, relation):
 
     def check(case):
         record.examples += 1
+        record.rerun = rerun_command(request.node, backend, case)  # kept if the adapter raises on it
         failures = rule.check(adapter, case, dtype)
         if failures:  # Hypothesis replays the minimal failing case last, so that is the one kept
-            record.message, record.rerun = failures[0], rerun_command(request.node, backend, case)
+            record.message = failures[0]
             pytest.fail("\n".join(failures) + f"\n  rerun: {record.rerun}", pytrace=False)
 
     try:
@@ -36,4 +37,4 @@ def test_relation_holds(request, backend, adapter, dtype, relation):
     except Exception as e:  # the adapter raised, or the suite broke: not a conformance verdict
         record.outcome, record.message = "errored", f"{type(e).__name__}: {e}"
         raise
-    record.outcome = "passed"
+    record.outcome, record.rerun = "passed", ""

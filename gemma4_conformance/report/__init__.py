@@ -7,7 +7,6 @@
     gemma4-conformance-report html OUT.html IN.json      (or python -m gemma4_conformance.report)
     gemma4-conformance-report merge OUT.html IN1.json IN2.json ...
 
-``save(recorder, html=..., json=...)`` does the first three at once (the pytest plugin's call).
 The HTML half imports matplotlib and jinja2, so it is loaded only when a page is written.
 """
 
@@ -28,7 +27,7 @@ from .data import (
 )
 
 __all__ = ["SCHEMA", "VERSION", "ReportError", "document", "dump", "environment", "load", "number", "render",
-           "save", "validate", "write_html"]
+           "validate", "write_html"]
 
 
 def render(documents: list[dict], labels: list[str] | None = None, title: str | None = None) -> str:
@@ -42,18 +41,3 @@ def write_html(path, documents: list[dict], labels: list[str] | None = None, tit
     from .html import write
     return write(path, documents, labels, title)
 
-
-def save(recorder, html=None, json=None, deviations=(), **environment_extra) -> list[Path]:
-    """Write a run's report as HTML and/or JSON (each when its path is given); returns the paths written.
-
-    ``deviations`` are the run's known-deviations entries; ``environment_extra`` adds keys to the
-    environment, e.g. ``command=...`` or ``label=...``."""
-    if html is None and json is None:
-        return []
-    doc = document(recorder, environment(**environment_extra), deviations)
-    written = []
-    if json is not None:
-        written.append(dump(doc, json))
-    if html is not None:
-        written.append(write_html(html, [doc]))
-    return written

@@ -5,13 +5,16 @@ as JSON and ``load`` reads one back, checking its schema.  The HTML page (``repo
 from documents only, so reports written on other machines, by other backends or by other versions of
 the suite can be merged into one page.
 
-Schema ``gemma4-conformance-report``, version 1
+Schema ``gemma4-conformance-report``, version 2
 ==============================================
 
 Top level (an object)::
 
     schema       "gemma4-conformance-report"
-    version      1 (an integer; a reader refuses versions it does not know)
+    version      2 (an integer; a reader refuses versions it does not know).  Version 2 added
+                 ``worst_ulps`` and ``forward[i].rerun``, made ``max_ulps`` the largest error of any
+                 example (in version 1 it was the worst example's) and the histogram a fraction of
+                 each example's budget
     environment  object: where and with what the run happened (below)
     results      array: one entry per backend x dtype x op that the run recorded (below)
     relations    array: one entry per backend x dtype x theorem of the spec checked (below)
@@ -52,22 +55,25 @@ means "not measured" (an op with no examples has no error statistics).
                     dtype), "unsupported" (the adapter lacks the op), or "not run"
     deviation       the known-deviation entry's reason when one covers this result, else ""
     examples        number of examples judged (an integer)
-    max_ulps        the largest error of any example, in ULPs of the dtype at the op's scale
+    worst_ulps      the error of the worst example: the one with the least headroom, whose error is
+                    the largest fraction of its budget (a budget depends on the example's dimensions,
+                    so this need not be the largest error), in ULPs of the dtype at the op's scale
                     (properties/error_models.py); null with no examples
+    budget_ulps     that example's budget, ULPs at the scale; null with no examples
+    headroom        budget_ulps / worst_ulps: above 1 the op passed with that factor to spare, below 1
+                    it failed by that factor; "inf" when every example was exact; null with no examples
+    max_ulps        the largest error of any example, ULPs at the scale; null with no examples
     p99_ulps        the 99th percentile of the examples' largest errors, ULPs; null with no examples
     median_ulps     their median, ULPs; null with no examples
-    budget_ulps     the budget of the example with the least headroom, ULPs at the scale (a budget
-                    depends on the example's dimensions); null with no examples
-    headroom        budget_ulps / max_ulps: above 1 the op passed with that factor to spare, below 1
-                    it failed by that factor; "inf" when every example was exact; null with no examples
     budget_formula  the budget's formula in properties/tolerances.yaml, e.g. "4.5 + 1.5 * fn";
                     null when the suite does not know the op
     error_model     the error model the formula comes from, in words; null likewise
     worst_case      the input case of the example with the least headroom (the JSON that
-                    ``--case`` takes), or null
+                    ``--case`` takes); for an "errored" op the case the backend broke on; or null
     rerun           the shell command that reruns exactly that case ("" when none was recorded)
-    message         the failure or error message ("" when the op passed)
-    histogram       array of numbers: each example's largest error in ULPs, 4 significant digits,
+    message         the worst example's failure message, or the error ("" when the op passed)
+    histogram       array of numbers: each example's largest error as a fraction of its own budget
+                    (above 1 is beyond it), 4 significant digits,
                     in the order drawn; above 500 examples, 500 order statistics evenly spaced
                     from the smallest to the largest (so the distribution's shape, minimum and
                     maximum are kept), sorted ascending
@@ -90,6 +96,8 @@ means "not measured" (an op with no examples has no error statistics).
     floor           the absolute relative error always allowed (FLOOR unit roundoffs of the dtype),
                     or null when unknown
     failures        array of strings: why the verdict failed (empty when it passed)
+    rerun           the command that reruns this forward test (it is deterministic: the generated
+                    checkpoint and the tokens are seeded; ``--weights`` is repeated when it was given)
     deviation       as in ``results``; outcome "known deviation" when it excused a failure
 
 ``relations[i]`` (sorted like ``results``)::
@@ -100,7 +108,8 @@ means "not measured" (an op with no examples has no error statistics).
     outcome         as in ``results``
     examples        number of examples checked (an integer; Hypothesis's shrinking included)
     message         the first violation found ("" when it held)
-    rerun           the command that reruns the minimal violating case ("" when it held)
+    rerun           the command that reruns the minimal violating case, or the case the backend raised
+                    on ("" when it held)
     deviation       as in ``results``
 
 ``problems[i]``::
@@ -134,15 +143,15 @@ import numpy as np
 from gemma4_conformance.properties.record import reported
 
 SCHEMA = "gemma4-conformance-report"
-VERSION = 1
+VERSION = 2
 HISTOGRAM_CAP = 500
 DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16")
 OUTCOMES = ("passed", "failed", "known deviation", "errored", "unsupported", "not run")
 LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "ml_dtypes", "mpmath", "hypothesis")
 
 RESULT_FIELDS = {
-    "backend": str, "dtype": str, "op": str, "outcome": str, "examples": int, "max_ulps": "number",
-    "p99_ulps": "number", "median_ulps": "number", "budget_ulps": "number", "headroom": "number",
+    "backend": str, "dtype": str, "op": str, "outcome": str, "examples": int, "worst_ulps": "number",
+    "budget_ulps": "number", "headroom": "number", "max_ulps": "number", "p99_ulps": "number", "median_ulps": "number",
     "budget_formula": (str, type(None)), "error_model": (str, type(None)), "worst_case": (dict, type(None)),
     "rerun": str, "message": str, "histogram": list, "deviation": str,
 }
@@ -155,7 +164,7 @@ DEVIATION_FIELDS = {"backend": str, "op": str, "dtype": str, "reason": str, "fil
                     "tests": list}
 FORWARD_FIELDS = {
     "backend": str, "dtype": str, "outcome": str, "layers": dict, "logits": dict, "top1_agreement": "number",
-    "logprob_gap": dict, "factor": "number", "floor": "number", "failures": list, "deviation": str,
+    "logprob_gap": dict, "factor": "number", "floor": "number", "failures": list, "rerun": str, "deviation": str,
 }
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
@@ -247,17 +256,18 @@ def result_entry(record, excused: dict | None = None) -> dict:
         "op": record.op,
         "outcome": reported(record.outcome, deviation),
         "examples": int(record.examples),
-        "max_ulps": encode(record.worst_ulps) if measured else None,
-        "p99_ulps": encode(record.quantile(0.99)) if measured else None,
-        "median_ulps": encode(record.quantile(0.5)) if measured else None,
+        "worst_ulps": encode(record.worst_ulps) if measured else None,
         "budget_ulps": encode(record.budget) if measured else None,
         "headroom": encode(record.headroom) if measured else None,
+        "max_ulps": encode(record.max_ulps) if measured else None,
+        "p99_ulps": encode(record.quantile(0.99)) if measured else None,
+        "median_ulps": encode(record.quantile(0.5)) if measured else None,
         "budget_formula": b.formula if b else None,
         "error_model": b.model if b else None,
         "worst_case": _jsonable(record.worst_case) if record.worst_case is not None else None,
         "rerun": record.worst_command or "",
         "message": record.message or "",
-        "histogram": _histogram(record.per_example),
+        "histogram": _histogram(record.fractions),
         "deviation": deviation,
     }
 
@@ -300,6 +310,7 @@ def forward_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dic
         "factor": encode(factor),
         "floor": encode(floor),
         "failures": failures,
+        "rerun": verdict.rerun,
         "deviation": deviation,
     }
 

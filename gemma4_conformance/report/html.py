@@ -9,12 +9,13 @@ Sections, in order: what broke (tests where the adapter raised or the suite erro
 (every failed or errored op, failed theorem and failed forward, worst first, with the message and the
 command that reruns the worst case), known deviations (excused failures with their reasons, and
 entries that matched nothing or no longer deviate), % conformant per backend and dtype, the
-conformance matrix (ops x dtypes, backends side by side within a dtype; each cell max ULPs / budget,
+conformance matrix (ops x dtypes, backends side by side within a dtype; each cell the worst
+example's ULPs / its budget,
 coloured red failed, violet known deviation, orange passed with headroom under 1.5, green passed,
 grey unsupported), the spec's theorems (held or not, same layout), the passing ops closest to their
 budget with their rerun commands, the error histograms (one chart per backend x dtype, one panel per
-op, the budget dashed), the full forward (per-layer relative error of candidate and baseline, log
-scale), and each document's environment.
+op, each example's error as a fraction of its budget), the full forward (per-layer relative error of
+candidate and baseline, log scale), and each document's environment.
 
 With several documents, a backend that occurs in more than one is labelled ``backend · label``,
 the label being the document's (the file's name for ``gemma4-conformance-report merge``).
@@ -100,9 +101,13 @@ def status(result: dict | None) -> str:
     return "ok"
 
 
+def examples(n: int) -> str:
+    return f"{n} example" if n == 1 else f"{n} examples"
+
+
 def over(result: dict) -> float | None:
-    """How many times its budget the worst error is (the reciprocal of the headroom)."""
-    m, b = number(result["max_ulps"]), number(result["budget_ulps"])
+    """How many times its budget the worst example's error is (the reciprocal of the headroom)."""
+    m, b = number(result["worst_ulps"]), number(result["budget_ulps"])
     return m / b if m is not None and b else None
 
 
@@ -138,7 +143,8 @@ def _figure(width: float, height: float, layout: str | None = "constrained") -> 
 
 
 def histogram_chart(results: list[dict], prefix: str) -> Markup | None:
-    """Small multiples: one panel per op, its examples' largest errors (ULPs), the budget dashed."""
+    """Small multiples: one panel per op, its examples' largest errors as fractions of their budgets
+    (a budget depends on the example's dimensions), the budget dashed at 1."""
     panels = [r for r in results if r["histogram"]]
     if not panels:
         return None
@@ -154,13 +160,11 @@ def histogram_chart(results: list[dict], prefix: str) -> Markup | None:
             "bottom": 0.38 / height, "hspace": 0.75, "wspace": 0.08}).ravel()
         for ax, r in zip(axes, panels):
             values = [v for v in map(number, r["histogram"]) if v is not None and math.isfinite(v)]
-            budget = number(r["budget_ulps"]) or 0.0
-            top = max([*values, budget]) * 1.08 or 1.0
+            top = max([*values, 1.0]) * 1.08
             counts, edges = np.histogram(values, bins=24, range=(0, top))
             ax.stairs(counts, edges, fill=True, color=COLOURS[status(r)], alpha=0.85)
-            if budget:
-                ax.axvline(budget, color="#495057", lw=0.8, ls="--")
-            ax.set_title(f"{r['op']}  ({fmt(r['max_ulps'])} / {fmt(r['budget_ulps'])})", loc="left",
+            ax.axvline(1.0, color="#495057", lw=0.8, ls="--")
+            ax.set_title(f"{r['op']}  ({fmt(r['worst_ulps'])} / {fmt(r['budget_ulps'])})", loc="left",
                          parse_math=False)  # a name from a document is plain text, never mathtext
             ax.set_yticks([])
             ax.set_xlim(0, top)
@@ -169,7 +173,7 @@ def histogram_chart(results: list[dict], prefix: str) -> Markup | None:
         for ax in axes[len(panels):]:
             ax.set_axis_off()
         for ax in axes[(nrows - 1) * ncols:]:
-            ax.set_xlabel("ULPs at the op's scale")
+            ax.set_xlabel("error / budget")
         return _svg(fig, prefix)
 
 
@@ -209,12 +213,15 @@ def _dtype_key(dtype: str):
 
 
 def _labels(documents: list[dict], labels) -> list[str]:
-    """The documents' labels: as given, else each environment's ``label``, else "report N"; made unique."""
+    """The documents' labels: as given, else each environment's ``label``, else its backends, else
+    "report N"; made unique."""
     if labels is not None:
         if len(labels) != len(documents):
             raise ValueError(f"{len(labels)} labels for {len(documents)} documents")
     else:
-        labels = [d["environment"].get("label") or f"report {i + 1}" for i, d in enumerate(documents)]
+        labels = [d["environment"].get("label")
+                  or ", ".join(dict.fromkeys(e["backend"] for e in d["results"] + d["forward"]))
+                  or f"report {i + 1}" for i, d in enumerate(documents)]
     labels = [str(label) for label in labels]
     return [f"{label} ({labels[:i].count(label) + 1})" if labels.count(label) > 1 else label
             for i, label in enumerate(labels)]
@@ -278,11 +285,12 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                 anchor = f"fail-{len(failures) + 1}"
                 anchors[i, backend, dtype, r["op"]] = anchor
                 failures.append({"anchor": anchor, "column": column_labels[c], "dtype": dtype, "op": r["op"],
-                                 "outcome": r["outcome"], "max": fmt(r["max_ulps"]), "budget": fmt(r["budget_ulps"]),
+                                 "outcome": r["outcome"], "worst": fmt(r["worst_ulps"]),
+                                 "budget": fmt(r["budget_ulps"]),
                                  "over": fmt(over(r)) if over(r) is not None else None,
-                                 "examples": r["examples"], "formula": r["budget_formula"],
+                                 "examples": examples(r["examples"]), "formula": r["budget_formula"],
                                  "message": r["message"], "rerun": command(r["rerun"])})
-    forward_failures = [{"column": label(i, b), "dtype": dt, "failures": f["failures"]}
+    forward_failures = [{"column": label(i, b), "dtype": dt, "failures": f["failures"], "rerun": command(f["rerun"])}
                         for (i, b, dt), f in forward.items() if f["outcome"] == "failed"]
 
     # The spec's theorems: failures, and a matrix like the ops'.
@@ -305,7 +313,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
             return {"cls": "none", "text": "", "title": f"{backend} {dtype} {name}: not checked"}
         text = {"passed": "held", "failed": "violated"}.get(r["outcome"], r["outcome"])
         return {"cls": status(r), "text": text,
-                "title": f"{backend} {dtype} {name} ({', '.join(r['ops'])}): {r['outcome']}, {r['examples']} examples"
+                "title": f"{backend} {dtype} {name} ({', '.join(r['ops'])}): {r['outcome']}, {examples(r['examples'])}"
                          + (f"; {r['message']}" if r["message"] else "")}
 
     relation_matrix = [{"relation": name, "cells": [relation_cell(i, b, dtype, name) for dtype in dtypes
@@ -315,7 +323,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     problems = [{"label": doc_labels[i], **p} for i, d in enumerate(documents) for p in d["problems"]]
     excused = [{"column": label(i, e["backend"]), "dtype": e["dtype"],
                 "subject": e.get("op") or e.get("relation") or "full forward", "reason": e["deviation"],
-                "detail": (f"{fmt(e['max_ulps'])} ULPs against {fmt(e['budget_ulps'])}" if "max_ulps" in e
+                "detail": (f"{fmt(e['worst_ulps'])} ULPs against {fmt(e['budget_ulps'])}" if "worst_ulps" in e
                            else e.get("message") or "; ".join(e.get("failures", [])))}
                for i, d in enumerate(documents) for e in d["results"] + d["relations"] + d["forward"]
                if e["outcome"] == "known deviation"]
@@ -348,14 +356,15 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         cls = status(r)
         if r is None:
             return {"cls": cls, "text": "", "sub": "", "title": f"{backend} {dtype} {op}: not tested", "href": None}
-        if r["max_ulps"] is None:
+        if r["worst_ulps"] is None:
             text = r["outcome"]
         else:
-            text = f"{fmt(r['max_ulps'])} / {fmt(r['budget_ulps'])}"
+            text = f"{fmt(r['worst_ulps'])} / {fmt(r['budget_ulps'])}"
         sub = "" if r["headroom"] is None else f"{fmt(r['headroom'])}x"
-        title = (f"{backend} {dtype} {op}: {r['outcome']}, {r['examples']} examples, max {fmt(r['max_ulps'])} ULPs, "
-                 f"p99 {fmt(r['p99_ulps'])}, median {fmt(r['median_ulps'])}, budget {fmt(r['budget_ulps'])} "
-                 f"({r['budget_formula'] or '?'}), headroom {fmt(r['headroom'])}")
+        title = (f"{backend} {dtype} {op}: {r['outcome']}, {examples(r['examples'])}; worst example "
+                 f"{fmt(r['worst_ulps'])} ULPs against a budget of {fmt(r['budget_ulps'])} "
+                 f"({r['budget_formula'] or '?'}), headroom {fmt(r['headroom'])}; all examples: max "
+                 f"{fmt(r['max_ulps'])}, p99 {fmt(r['p99_ulps'])}, median {fmt(r['median_ulps'])} ULPs")
         return {"cls": cls, "text": text, "sub": sub, "title": title,
                 "href": "#" + anchors[i, backend, dtype, op] if (i, backend, dtype, op) in anchors else None}
 
@@ -383,8 +392,9 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         passing.sort(key=lambda r: number(r["headroom"]))
         for r in passing[:CLOSEST_PER_COLUMN]:
             closest.append({"column": column_labels[c], "dtype": r["dtype"], "op": r["op"], "cls": status(r),
-                            "max": fmt(r["max_ulps"]), "budget": fmt(r["budget_ulps"]), "headroom": fmt(r["headroom"]),
-                            "p99": fmt(r["p99_ulps"]), "examples": r["examples"], "rerun": command(r["rerun"])})
+                            "worst": fmt(r["worst_ulps"]), "budget": fmt(r["budget_ulps"]),
+                            "headroom": fmt(r["headroom"]), "max": fmt(r["max_ulps"]), "examples": r["examples"],
+                            "rerun": command(r["rerun"])})
 
     # Charts.
     charts = itertools.count(1)
