@@ -335,6 +335,16 @@ def test_the_same_backend_from_two_machines_is_told_apart(doc, tmp_path):
     assert "torch · ci (1)" in same and "torch · ci (2)" in same
 
 
+def test_a_document_without_a_label_is_named_by_its_backends():
+    unlabelled = {**make_document("jax"), "environment": report.environment()}
+    both = report.document(make_recorder("jax"), report.environment())
+    both["results"] += make_document("torch")["results"]
+    subtitle = re.search(r'<p class="muted">\s*(.*?)\n', report.render([unlabelled])).group(1)
+    assert subtitle == "jax."
+    subtitle = re.search(r'<p class="muted">\s*(.*?)\n', report.render([unlabelled, both])).group(1)
+    assert subtitle == "jax; jax, torch."
+
+
 def test_the_command_names_a_bad_input_file(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema": "other", "version": 1}))

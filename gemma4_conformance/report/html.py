@@ -168,7 +168,7 @@ def histogram_chart(results: list[dict], prefix: str) -> Markup | None:
                          parse_math=False)  # a name from a document is plain text, never mathtext
             ax.set_yticks([])
             ax.set_xlim(0, top)
-            ax.xaxis.set_major_locator(MaxNLocator(4))
+            ax.xaxis.set_major_locator(MaxNLocator(4, steps=[1, 2, 2.5, 5, 10]))  # 0, 0.5, 1: the budget a tick
             ax.tick_params(length=2, pad=1)
         for ax in axes[len(panels):]:
             ax.set_axis_off()
@@ -220,7 +220,7 @@ def _labels(documents: list[dict], labels) -> list[str]:
             raise ValueError(f"{len(labels)} labels for {len(documents)} documents")
     else:
         labels = [d["environment"].get("label")
-                  or ", ".join(dict.fromkeys(e["backend"] for e in d["results"] + d["forward"]))
+                  or ", ".join(sorted({e["backend"] for e in d["results"] + d["forward"]}))
                   or f"report {i + 1}" for i, d in enumerate(documents)]
     labels = [str(label) for label in labels]
     return [f"{label} ({labels[:i].count(label) + 1})" if labels.count(label) > 1 else label
