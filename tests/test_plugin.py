@@ -94,6 +94,15 @@ def test_a_broken_adapter_exits_6_and_the_other_ops_are_still_reported(tmp_path,
     assert done.returncode == EXIT_BROKEN and evidence in done.stdout, done.stdout[-3000:]
 
 
+def test_a_theorem_whose_adapter_raises_is_broken_and_has_a_rerun_command(tmp_path):
+    status, out, doc = suite(tmp_path, "--backend=tests.faulty:ADAPTERS.sigmoid_raises", "-k", "fixed_points")
+    assert status == EXIT_BROKEN, out[-3000:]
+    [relation] = doc["relations"]
+    assert relation["outcome"] == "errored" and "kernel not compiled" in relation["message"]
+    done = rerun_elsewhere(tmp_path, relation["rerun"])
+    assert done.returncode == EXIT_BROKEN and "kernel not compiled" in done.stdout, done.stdout[-3000:]
+
+
 def test_a_report_that_cannot_be_written_exits_6_naming_it_and_the_other_is_still_written(tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
     blocked = tmp_path / "a-file" / "report.html"
