@@ -65,7 +65,10 @@ def test_a_result_beyond_budget_exits_1_and_the_reports_rerun_command_reproduces
     status, out, doc = suite(tmp_path, f"--backend={EPS_MISSING}", "-k", SELECT)
     assert status == EXIT_NOT_CONFORMANT, out[-3000:]
     assert outcomes(doc)["rms"] == "failed" and outcomes(doc)["sigmoid"] == "passed"
-    rerun = next(r["rerun"] for r in doc["results"] if r["op"] == "rms")
+    rms = next(r for r in doc["results"] if r["op"] == "rms")
+    # The message, the error and the rerun command all describe the worst example, not the shrunk one.
+    assert rms["message"].startswith(f"error {rms['worst_ulps']:.4g} ULPs at the op's scale")
+    rerun = rms["rerun"]
     assert re.search(r"rerun: pytest -p gemma4_conformance.plugin --pyargs .*-rms\]", out)  # the minimal case
     done = rerun_elsewhere(tmp_path, rerun)
     assert done.returncode == EXIT_NOT_CONFORMANT and "1 failed" in done.stdout, done.stdout[-3000:]
