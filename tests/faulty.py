@@ -1,6 +1,8 @@
-"""Adapters that break rather than fail, for the plugin's tests: --backend=tests.faulty:ADAPTERS.<name>."""
+"""Adapters that break (and some that also fail), for the plugin's tests: --backend=tests.faulty:ADAPTERS.<name>."""
 
 from types import SimpleNamespace
+
+import numpy as np
 
 from tests.mutants import MutantAdapter
 
@@ -13,4 +15,15 @@ def sigmoid_returns_float64(x):
     return x.astype("float64")
 
 
-ADAPTERS = SimpleNamespace(**{fn.__name__: MutantAdapter("sigmoid", fn) for fn in (sigmoid_raises, sigmoid_returns_float64)})
+def softmax_raises_on_long_rows_and_is_wrong_on_short(s, visible):
+    """Two distinct bugs in one op, which Hypothesis reports together (an exception group)."""
+    if s.shape[-1] > 2:
+        raise RuntimeError("kernel not compiled for rows longer than 2")
+    return np.where(visible, 2 / s.shape[-1], 0).astype(s.dtype)
+
+
+ADAPTERS = SimpleNamespace(
+    **{fn.__name__: MutantAdapter("sigmoid", fn) for fn in (sigmoid_raises, sigmoid_returns_float64)},
+    softmax_raises_on_long_rows_and_is_wrong_on_short=MutantAdapter(
+        "softmax", softmax_raises_on_long_rows_and_is_wrong_on_short),
+)

@@ -106,6 +106,19 @@ def test_a_theorem_whose_adapter_raises_is_broken_and_has_a_rerun_command(tmp_pa
     assert done.returncode == EXIT_BROKEN and "kernel not compiled" in done.stdout, done.stdout[-3000:]
 
 
+def test_an_op_that_both_breaks_and_fails_is_reported_broken_with_the_break_to_rerun(tmp_path):
+    """Hypothesis reports two distinct bugs as one exception group; the break outweighs the failure."""
+    backend = "tests.faulty:ADAPTERS.softmax_raises_on_long_rows_and_is_wrong_on_short"
+    status, out, doc = suite(tmp_path, f"--backend={backend}", "-k",
+                             "softmax_is_a_distribution or (test_matches_oracle and -softmax])")
+    assert status == EXIT_BROKEN and "distinct failures" in out, out[-3000:]
+    [relation], [result] = doc["relations"], doc["results"]
+    for entry in (relation, result):
+        assert entry["outcome"] == "errored" and "rows longer than 2" in entry["message"], entry
+        done = rerun_elsewhere(tmp_path, entry["rerun"])
+        assert done.returncode == EXIT_BROKEN and "rows longer than 2" in done.stdout, done.stdout[-3000:]
+
+
 def test_a_report_that_cannot_be_written_exits_6_naming_it_and_the_other_is_still_written(tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
     blocked = tmp_path / "a-file" / "report.html"

@@ -32,14 +32,26 @@ class OpRecord:
     message: str = ""  # why the worst example failed, or why the op errored
 
     def add(self, ulps: float, budget: float, case: dict, command: str) -> bool:
-        """Count one example; returns whether it is now the worst."""
+        """Count one example; returns whether it is now the worst (once the op broke, the case it broke
+        on stays the one to rerun)."""
         self.examples += 1
         self.per_example.append(ulps)
         self.fractions.append(ulps / budget)
-        if self.worst_case is None or ulps / budget > self.worst_ulps / self.budget:
-            self.worst_ulps, self.budget, self.worst_case, self.worst_command = ulps, budget, case, command
-            return True
-        return False
+        if self.outcome == "errored" or not (self.worst_case is None or ulps / budget > self.worst_ulps / self.budget):
+            return False
+        self.worst_ulps, self.budget, self.worst_case, self.worst_command = ulps, budget, case, command
+        return True
+
+    def broke(self, message: str, case: dict, command: str) -> None:
+        """The backend broke the contract on ``case``: that outweighs any failure, and is what to rerun."""
+        self.outcome, self.message, self.worst_case, self.worst_command = "errored", message, case, command
+
+    def fail(self, message: str, worst: bool) -> None:
+        """An example beyond its budget (``worst``: the worst so far): the op failed, unless it broke."""
+        if self.outcome != "errored":
+            self.outcome = "failed"
+            if worst:  # the report's message, error and rerun command all describe the same example
+                self.message = message
 
     @property
     def max_ulps(self) -> float:

@@ -20,16 +20,13 @@ def check(request, backend, adapter, dtype, op, case):
         record.outcome = "unsupported"
         pytest.skip(str(e))
     except ContractViolation as e:
-        # The case that broke the contract is the one to rerun.
-        record.outcome, record.message, record.worst_case, record.worst_command = "errored", str(e), case, command
+        record.broke(str(e), case, command)
         raise ContractViolation(f"{e}\n  rerun: {command}") from None
     worst = record.add(verdict.max_error, verdict.budget, case, command)
     if currently_in_test_context():  # a drawn example, not an edge case or a --case rerun
         target(verdict.max_error / verdict.budget, label="error / budget")  # search towards the budget's edge
     if not verdict.passed:
-        record.outcome = "failed"
-        if worst:  # the report's message, error and rerun command all describe the same example
-            record.message = verdict.failures[0]
+        record.fail(verdict.failures[0], worst)
         pytest.fail("\n".join(verdict.failures) + f"\n  rerun: {command}", pytrace=False)
 
 
