@@ -41,7 +41,7 @@ from gemma4_conformance.spec import OP_NAMES
 
 EXIT_CONFORMANT = 0
 EXIT_NOT_CONFORMANT = 1  # pytest's TESTS_FAILED: every failure is an error beyond its budget
-EXIT_BROKEN = 6  # an adapter raised or broke the contract, or a test errored: the verdict is incomplete
+EXIT_BROKEN = 6  # an adapter raised or broke the contract, a test errored or a report was lost: incomplete
 EXIT_CODES = {
     EXIT_CONFORMANT: "conformant: every test passed or is a listed known deviation",
     EXIT_NOT_CONFORMANT: "not conformant: a result is beyond its budget or breaks a theorem of the spec",
@@ -91,11 +91,10 @@ def _backend_specs(option: str) -> list[str]:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: the real 12B geometry (about 10 minutes, 24 GB of disk); "
+    config.addinivalue_line("markers", "slow: the real 12B geometry (about 5 minutes, 24 GB of disk); "
                                        "run with -m slow")
     config.conformance_recorder = Recorder()
-    config.conformance_reports = []  # a line per report: where it was written, or why it was not
-    config.conformance_report_failed = False
+    config.conformance_reports = []  # (line, written) per report: where it was written, or why it was not
     dtypes = [d.strip() for d in config.getoption("--dtype").split(",") if d.strip()]
     unknown = sorted(set(dtypes) - set(DTYPES))
     if unknown:
@@ -201,7 +200,7 @@ def is_broken(error: BaseException) -> bool:
 def exit_status(config, exitstatus: int) -> int:
     """pytest's status, with 6 for a run that broke or whose report could not be written (it wins over
     1: the verdict is incomplete)."""
-    broke = config.conformance_recorder.problems or config.conformance_report_failed
+    broke = config.conformance_recorder.problems or not all(written for _, written in config.conformance_reports)
     if int(exitstatus) in (EXIT_CONFORMANT, EXIT_NOT_CONFORMANT) and broke:
         return EXIT_BROKEN
     return int(exitstatus)
@@ -211,8 +210,6 @@ def write_reports(config) -> None:
     """Write the JSON and HTML reports, each on its own, so that one that fails leaves the other."""
     paths = {"JSON": config.getoption("--report-json"), "HTML": config.getoption("--report-html") or None}
     paths = {kind: path for kind, path in paths.items() if path is not None}
-    if not paths:
-        return
     command = shlex.join(["pytest", *config.invocation_params.args])
     doc = None
     for kind, path in paths.items():
@@ -221,11 +218,10 @@ def write_reports(config) -> None:
                                          config.conformance_deviations.entries)
             written = report.dump(doc, path) if kind == "JSON" else report.write_html(path, [doc])
         except Exception as e:  # noqa: BLE001 - the suite's fault or a bad path: said, the run exits 6, nothing lost
-            config.conformance_report_failed = True
-            config.conformance_reports.append(f"conformance report: the {kind} report {path} could not be "
-                                              f"written: {type(e).__name__}: {e}")
+            why = f"conformance report: the {kind} report {path} could not be written: {type(e).__name__}: {e}"
+            config.conformance_reports.append((why, False))
         else:
-            config.conformance_reports.append(f"conformance report: {written}")
+            config.conformance_reports.append((f"conformance report: {written}", True))
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -252,7 +248,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                              "(ULPs at the op's scale)")
     for line in recorder.table():
         terminalreporter.write_line(line)
-    for line in config.conformance_reports:
-        terminalreporter.write_line(line, red=config.conformance_report_failed and "could not" in line)
+    for line, written in config.conformance_reports:
+        terminalreporter.write_line(line, red=not written)
     status = exit_status(config, exitstatus)
     terminalreporter.write_line(f"conformance exit status {status}: {EXIT_CODES.get(status, 'see pytest')}")

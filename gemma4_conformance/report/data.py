@@ -65,9 +65,8 @@ means "not measured" (an op with no examples has no error statistics).
     max_ulps        the largest error of any example, ULPs at the scale; null with no examples
     p99_ulps        the 99th percentile of the examples' largest errors, ULPs; null with no examples
     median_ulps     their median, ULPs; null with no examples
-    budget_formula  the budget's formula in properties/tolerances.yaml, e.g. "4.5 + 1.5 * fn";
-                    null when the suite does not know the op
-    error_model     the error model the formula comes from, in words; null likewise
+    budget_formula  the budget's formula in properties/tolerances.yaml, e.g. "4.5 + 1.5 * fn"
+    error_model     the error model the formula comes from, in words
     worst_case      the input case of the example with the least headroom (the JSON that
                     ``--case`` takes); for an "errored" op the case the backend broke on; or null
     rerun           the shell command that reruns exactly that case ("" when none was recorded)
@@ -92,9 +91,8 @@ means "not measured" (an op with no examples has no error statistics).
     logprob_gap     {"candidate": x, "baseline": y}: the largest |log p - log p_ref| over positions
                     and tokens, in nats
     factor          how many times the baseline's error the candidate may have (the verdict's
-                    FACTOR), or null when unknown
-    floor           the absolute relative error always allowed (FLOOR unit roundoffs of the dtype),
-                    or null when unknown
+                    FACTOR)
+    floor           the absolute relative error always allowed (FLOOR unit roundoffs of the dtype)
     failures        array of strings: why the verdict failed (empty when it passed)
     rerun           the command that reruns this forward test (it is deterministic: the generated
                     checkpoint and the tokens are seeded; ``--weights`` is repeated when it was given)
@@ -140,19 +138,22 @@ from pathlib import Path
 
 import numpy as np
 
+from gemma4_conformance.adapters import DTYPES
+from gemma4_conformance.properties.budget import budget
+from gemma4_conformance.properties.forward import FACTOR, FLOOR
 from gemma4_conformance.properties.record import reported
+from gemma4_conformance.spec import CONTRACT, fmt
 
 SCHEMA = "gemma4-conformance-report"
 VERSION = 2
 HISTOGRAM_CAP = 500
-DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16")
 OUTCOMES = ("passed", "failed", "known deviation", "errored", "unsupported", "not run")
 LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "ml_dtypes", "mpmath", "hypothesis")
 
 RESULT_FIELDS = {
     "backend": str, "dtype": str, "op": str, "outcome": str, "examples": int, "worst_ulps": "number",
     "budget_ulps": "number", "headroom": "number", "max_ulps": "number", "p99_ulps": "number", "median_ulps": "number",
-    "budget_formula": (str, type(None)), "error_model": (str, type(None)), "worst_case": (dict, type(None)),
+    "budget_formula": str, "error_model": str, "worst_case": (dict, type(None)),
     "rerun": str, "message": str, "histogram": list, "deviation": str,
 }
 RELATION_FIELDS = {
@@ -202,33 +203,9 @@ def _is_number(value) -> bool:
 
 # ----------------------------------------------------------------------------------------- building
 
-def _dtype_rank(dtype: str) -> tuple:
-    return (DTYPE_ORDER.index(dtype), "") if dtype in DTYPE_ORDER else (len(DTYPE_ORDER), dtype)
-
-
-def _op_ranks() -> dict[str, int]:
-    try:
-        from gemma4_conformance.spec import CONTRACT
-    except ImportError:  # the report package used outside the suite: alphabetical order
-        return {}
-    return {op: i for i, op in enumerate(CONTRACT)}
-
-
-def _budget(op: str, dtype: str):
-    try:
-        from gemma4_conformance.properties.budget import budget
-        return budget(op, dtype)
-    except (ImportError, KeyError):  # an op or dtype the suite's budgets do not know
-        return None
-
-
-def _forward_thresholds(dtype: str) -> tuple[float | None, float | None]:
-    try:
-        from gemma4_conformance.properties.forward import FACTOR, FLOOR
-        from gemma4_conformance.spec import fmt
-        return float(FACTOR), float(FLOOR * fmt(dtype).eps)
-    except (ImportError, ValueError, KeyError):
-        return None, None
+def dtype_rank(dtype: str) -> tuple:
+    """Sort key: the suite's dtypes widest first, any other (from another version's document) after."""
+    return (DTYPES.index(dtype), "") if dtype in DTYPES else (len(DTYPES), dtype)
 
 
 def _jsonable(value):
@@ -247,8 +224,8 @@ def _histogram(values) -> list:
 def result_entry(record, excused: dict | None = None) -> dict:
     """One ``results`` entry from a ``properties.record.OpRecord``; ``excused`` maps (backend, dtype, op)
     to the reason of the known deviation that covers it."""
-    measured = record.examples > 0 and bool(record.per_example)
-    b = _budget(record.op, record.dtype)
+    measured = bool(record.per_example)
+    b = budget(record.op, record.dtype)
     deviation = (excused or {}).get((record.backend, record.dtype, record.op), "")
     return {
         "backend": record.backend,
@@ -262,11 +239,11 @@ def result_entry(record, excused: dict | None = None) -> dict:
         "max_ulps": encode(record.max_ulps) if measured else None,
         "p99_ulps": encode(record.quantile(0.99)) if measured else None,
         "median_ulps": encode(record.quantile(0.5)) if measured else None,
-        "budget_formula": b.formula if b else None,
-        "error_model": b.model if b else None,
+        "budget_formula": b.formula,
+        "error_model": b.model,
         "worst_case": _jsonable(record.worst_case) if record.worst_case is not None else None,
-        "rerun": record.worst_command or "",
-        "message": record.message or "",
+        "rerun": record.worst_command,
+        "message": record.message,
         "histogram": _histogram(record.fractions),
         "deviation": deviation,
     }
@@ -296,7 +273,6 @@ def deviation_entry(entry) -> dict:
 
 def forward_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dict:
     """One ``forward`` entry from a ``properties.forward.ForwardVerdict`` (or any object with its fields)."""
-    factor, floor = _forward_thresholds(dtype)
     failures = [str(f) for f in verdict.failures]
     return {
         "backend": backend,
@@ -307,28 +283,27 @@ def forward_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dic
         "logits": {"candidate": encode(verdict.logits[0]), "baseline": encode(verdict.logits[1])},
         "top1_agreement": encode(verdict.top1_agreement),
         "logprob_gap": {"candidate": encode(verdict.logprob_gap[0]), "baseline": encode(verdict.logprob_gap[1])},
-        "factor": encode(factor),
-        "floor": encode(floor),
+        "factor": encode(FACTOR),
+        "floor": encode(FLOOR * fmt(dtype).eps),
         "failures": failures,
         "rerun": verdict.rerun,
         "deviation": deviation,
     }
 
 
-def document(recorder, environment: dict | None = None, deviations=()) -> dict:
+def document(recorder, env: dict | None = None, deviations=()) -> dict:
     """The report document of a run: ``recorder`` is the plugin's ``properties.record.Recorder``;
-    ``environment`` is ``environment()``'s dict (collected now when None); ``deviations`` the
+    ``env`` is ``environment()``'s dict (collected now when None); ``deviations`` the
     known-deviations entries (``properties.deviations.Deviation``) the run was given."""
-    ranks = _op_ranks()
-    records = sorted(recorder.records.values(),
-                     key=lambda r: (r.backend, _dtype_rank(r.dtype), ranks.get(r.op, len(ranks)), r.op))
-    relations = sorted(recorder.relations.values(), key=lambda r: (r.backend, _dtype_rank(r.dtype), r.relation))
-    forward = sorted(recorder.forward.items(), key=lambda item: (item[0][0], _dtype_rank(item[0][1])))
+    ops = list(CONTRACT)
+    records = sorted(recorder.records.values(), key=lambda r: (r.backend, dtype_rank(r.dtype), ops.index(r.op)))
+    relations = sorted(recorder.relations.values(), key=lambda r: (r.backend, dtype_rank(r.dtype), r.relation))
+    forward = sorted(recorder.forward.items(), key=lambda item: (item[0][0], dtype_rank(item[0][1])))
     excused = recorder.excused
     return {
         "schema": SCHEMA,
         "version": VERSION,
-        "environment": _jsonable(_current_environment() if environment is None else environment),
+        "environment": _jsonable(environment() if env is None else env),
         "results": [result_entry(r, excused) for r in records],
         "relations": [relation_entry(r, excused) for r in relations],
         "forward": [forward_entry(backend, dtype, v, excused.get((backend, dtype, "forward"), ""))
@@ -402,10 +377,6 @@ def environment(**extra) -> dict:
     }
     env.update(extra)
     return env
-
-
-def _current_environment() -> dict:
-    return environment()
 
 
 # ----------------------------------------------------------------------------------------- files

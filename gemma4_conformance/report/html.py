@@ -39,7 +39,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .data import DTYPE_ORDER, number, validate
+from .data import dtype_rank, number, validate
 
 TEMPLATES = Path(__file__).with_name("templates")
 WARN_HEADROOM = 1.5  # a passing op with less headroom than this is shown orange
@@ -208,10 +208,6 @@ def forward_chart(entry: dict, prefix: str) -> Markup | None:
 
 # ----------------------------------------------------------------------------------------- the page
 
-def _dtype_key(dtype: str):
-    return (DTYPE_ORDER.index(dtype), "") if dtype in DTYPE_ORDER else (len(DTYPE_ORDER), dtype)
-
-
 def _labels(documents: list[dict], labels) -> list[str]:
     """The documents' labels: as given, else each environment's ``label``, else its backends, else
     "report N"; made unique."""
@@ -268,7 +264,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
             cells[i, r["backend"], r["dtype"], r["op"]] = r
     forward = {(i, f["backend"], f["dtype"]): f for i, d in enumerate(documents) for f in d["forward"]}
     dtypes = sorted(dtypes | {dt for _, _, dt in forward} | {r["dtype"] for d in documents for r in d["relations"]},
-                    key=_dtype_key)
+                    key=dtype_rank)
     column_labels = [label(i, b) for i, b in columns]
     counter = itertools.count(1)
 
@@ -363,7 +359,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         sub = "" if r["headroom"] is None else f"{fmt(r['headroom'])}x"
         title = (f"{backend} {dtype} {op}: {r['outcome']}, {examples(r['examples'])}; worst example "
                  f"{fmt(r['worst_ulps'])} ULPs against a budget of {fmt(r['budget_ulps'])} "
-                 f"({r['budget_formula'] or '?'}), headroom {fmt(r['headroom'])}; all examples: max "
+                 f"({r['budget_formula']}), headroom {fmt(r['headroom'])}; all examples: max "
                  f"{fmt(r['max_ulps'])}, p99 {fmt(r['p99_ulps'])}, median {fmt(r['median_ulps'])} ULPs")
         return {"cls": cls, "text": text, "sub": sub, "title": title,
                 "href": "#" + anchors[i, backend, dtype, op] if (i, backend, dtype, op) in anchors else None}
@@ -406,7 +402,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
             if svg is not None:
                 histograms.append({"column": column_labels[c], "dtype": dtype, "svg": svg})
     forwards = []
-    for (i, b, dtype), f in sorted(forward.items(), key=lambda kv: (kv[0][0], kv[0][1], _dtype_key(kv[0][2]))):
+    for (i, b, dtype), f in sorted(forward.items(), key=lambda kv: (kv[0][0], kv[0][1], dtype_rank(kv[0][2]))):
         forwards.append({"column": label(i, b), "dtype": dtype, "outcome": f["outcome"],
                          "svg": forward_chart(f, f"f{next(charts)}-"), "layers": len(f["layers"]["candidate"]),
                          "logits": (fmt(f["logits"]["candidate"]), fmt(f["logits"]["baseline"])),
