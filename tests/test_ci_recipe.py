@@ -33,7 +33,7 @@ def recipe() -> str:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    """A copy of the example engine and a fresh venv in which the recipe ran; yields (folder, env, run)."""
+    """A copy of the example engine and a fresh venv in which the recipe ran: (folder, run, its result)."""
     base = tmp_path_factory.mktemp("ci-recipe")
     folder = base / "engine"
     shutil.copytree(ROOT / "examples" / "engine", folder)
