@@ -46,7 +46,8 @@ def compare(what: str, got, want, tolerance) -> list[str]:
     """Failures where |got - want| > tolerance (exact equality where the tolerance is 0)."""
     got, want, tolerance = np.broadcast_arrays(np.asarray(got, dtype=np.float64),
                                                np.asarray(want, dtype=np.float64), np.asarray(tolerance, dtype=np.float64))
-    diff = np.abs(got - want)
+    with np.errstate(invalid="ignore"):  # inf - inf: an overflow on both sides, equal, caught below
+        diff = np.abs(got - want)
     bad = ~(diff <= tolerance) & ~(got == want)
     if not bad.any():
         return []
