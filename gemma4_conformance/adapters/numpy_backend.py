@@ -44,7 +44,9 @@ def _op(fn):
     def op(*args):
         dtype = next(np.asarray(a).dtype for a, kind in zip(args, kinds) if kind == "float")
         ct = _compute_dtype(dtype)
-        return np.asarray(fn(*(_widen(a, kind, ct) for a, kind in zip(args, kinds)))).astype(dtype)
+        wide = np.asarray(fn(*(_widen(a, kind, ct) for a, kind in zip(args, kinds))))
+        with np.errstate(over="ignore"):  # beyond the dtype's range the rounding is inf, as the spec's is
+            return wide.astype(dtype)
 
     op.wide = fn
     return op
