@@ -84,9 +84,16 @@ def pytest_addoption(parser):
 
 
 def _backend_specs(option: str) -> list[str]:
-    specs = []
-    for spec in (s.strip() for s in option.split(",") if s.strip()):
-        specs.extend(adapters.available_builtins() if spec == "all" else [spec])
+    """The comma-separated specs of ``--backend`` (a comma inside a spec's [options] separates options)."""
+    specs, depth, current = [], 0, ""
+    for char in option + ",":
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            spec = current.strip()
+            specs.extend(adapters.available_builtins() if spec == "all" else [spec] if spec else [])
+            current = ""
+        else:
+            current += char
     return specs
 
 
@@ -106,6 +113,11 @@ def pytest_configure(config):
             loaded[spec] = adapters.load(spec)
         except AdapterError as e:
             raise pytest.UsageError(f"--backend: {e}") from None
+    names = [adapter.name for adapter in loaded.values()]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # results, reports and deviations are keyed by the adapter's name
+        raise pytest.UsageError(f"--backend: several backends are named {', '.join(map(repr, twice))}; "
+                                f"each adapter of a run needs its own name")
     config.conformance_backends = loaded
     try:
         config.conformance_deviations = Deviations.load(config.getoption("--known-deviations"))

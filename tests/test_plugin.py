@@ -158,6 +158,8 @@ def test_a_known_deviation_never_excuses_an_adapter_that_breaks(tmp_path):
 
 @pytest.mark.parametrize("option, message", [
     ("--backend=no_such_engine", "--backend: unknown backend 'no_such_engine'"),
+    ("--backend=tests.test_adapters:Tunable,tests.test_adapters:Tunable[kernel=plain]",
+     "--backend: several backends are named 'tunable-plain-64'"),
     ("--known-deviations=missing.yaml", "missing.yaml: cannot read it"),
 ])
 def test_a_bad_option_is_a_usage_error_naming_it(tmp_path, option, message):

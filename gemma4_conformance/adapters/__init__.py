@@ -18,6 +18,11 @@ An op the adapter lacks is *unsupported*: the suite skips it and says so.  A mod
 by an installed package under the entry-point group ``gemma4_conformance.adapters``; or a module
 path, optionally ``module:attribute``.  The object found may be the adapter itself, a class, or a factory, which
 is called with no arguments.
+
+A spec may end in options for the factory, ``name[key=value,...]`` (``torch-sdpa[kernel=flash]``): each is
+passed to the class or factory as a keyword argument whose value is the string after ``=``; the factory
+checks them and names the adapter after them, so that two settings of one engine are told apart in a
+run and in its report.  An adapter object or a module takes no options.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from importlib.metadata import entry_points
 
 from gemma4_conformance.spec import FORMATS
 
+# Built-in backends: name -> (the adapter's module or module:attribute, the library it needs installed,
+# the extra of this package that installs it).
 BUILTINS = {
-    "numpy": "gemma4_conformance.adapters.numpy_backend",
-    "torch": "gemma4_conformance.adapters.torch_backend",
-    "jax": "gemma4_conformance.adapters.jax_backend",
+    "numpy": ("gemma4_conformance.adapters.numpy_backend", "numpy", ""),
+    "torch": ("gemma4_conformance.adapters.torch_backend", "torch", "torch"),
+    "jax": ("gemma4_conformance.adapters.jax_backend", "jax", "jax"),
 }
 ENTRY_POINT_GROUP = "gemma4_conformance.adapters"
 DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -44,11 +51,20 @@ class AdapterError(Exception):
 
 def _resolve(spec: str):
     if spec in BUILTINS:
-        return importlib.import_module(BUILTINS[spec])
+        path, library, extra = BUILTINS[spec]
+        if importlib.util.find_spec(library) is None:
+            raise AdapterError(f"backend {spec!r} needs {library}, which is not installed here "
+                               f"(pip install 'gemma4-conformance[{extra}]')")
+        return _import(path, spec)
     found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
     if found:
         return found[0].load()
-    module_name, _, attribute = spec.partition(":")
+    return _import(spec, spec)
+
+
+def _import(path: str, spec: str):
+    """The object at ``module`` or ``module:attribute``."""
+    module_name, _, attribute = path.partition(":")
     try:
         obj = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -65,17 +81,50 @@ def _resolve(spec: str):
     return obj
 
 
+def parse(spec: str) -> tuple[str, dict[str, str]]:
+    """``name[key=value,...]`` -> (name, {key: value}); a spec without brackets has no options."""
+    name, bracket, rest = spec.partition("[")
+    if not bracket:
+        return spec, {}
+    if not rest.endswith("]") or "[" in rest or not name:
+        raise AdapterError(f"backend {spec!r}: options go in one trailing bracket, name[key=value,...]")
+    options = {}
+    for item in filter(None, (part.strip() for part in rest[:-1].split(","))):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip().isidentifier():
+            raise AdapterError(f"backend {spec!r}: option {item!r} is not key=value")
+        if key.strip() in options:
+            raise AdapterError(f"backend {spec!r}: option {key.strip()!r} is given twice")
+        options[key.strip()] = value.strip()
+    return name, options
+
+
+def _is_factory(obj) -> bool:
+    return inspect.isclass(obj) or (callable(obj) and not inspect.ismodule(obj) and not hasattr(obj, "dtypes"))
+
+
 def load(spec: str):
     """The adapter named by ``spec`` (see the module docstring), checked for ``name`` and ``dtypes``."""
+    name, options = parse(spec)
     try:
-        obj = _resolve(spec)
+        obj = _resolve(name)
     except AdapterError:
         raise
     except Exception as e:  # an import error inside the user's module is theirs, but name the backend
         raise AdapterError(f"backend {spec!r} could not be loaded: {type(e).__name__}: {e}") from e
-    if inspect.isclass(obj) or (callable(obj) and not inspect.ismodule(obj) and not hasattr(obj, "dtypes")):
+    if options and not _is_factory(obj):
+        raise AdapterError(f"backend {spec!r}: {name!r} is an adapter object or module, which takes no options")
+    if _is_factory(obj):
         try:
-            obj = obj()
+            signature = inspect.signature(obj)
+            signature.bind(**options)
+        except TypeError:
+            raise AdapterError(f"backend {spec!r}: {name!r} takes the options {_options(signature)}, "
+                               f"not {', '.join(options)}") from None
+        except ValueError:  # a callable without a signature (a builtin): let the call say
+            pass
+        try:
+            obj = obj(**options)
         except Exception as e:
             raise AdapterError(f"backend {spec!r}: building the adapter failed: {type(e).__name__}: {e}") from e
     for attribute in ("name", "dtypes"):
@@ -87,9 +136,14 @@ def load(spec: str):
     return obj
 
 
+def _options(signature: inspect.Signature) -> str:
+    names = [p.name for p in signature.parameters.values() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return ", ".join(names) if names else "none"
+
+
 def available_builtins() -> list[str]:
     """The built-in backends whose library is installed (what ``--backend=all`` runs)."""
-    return [name for name in BUILTINS if importlib.util.find_spec(name) is not None]
+    return [name for name, (_, library, _) in BUILTINS.items() if importlib.util.find_spec(library) is not None]
 
 
 assert set(DTYPES) == set(FORMATS)
