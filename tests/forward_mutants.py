@@ -27,14 +27,14 @@ class Rewired(AdapterOps):
         self.values_after_rope = values_after_rope
         self.last_rope = None
 
-    def op(self, name, *args):
+    def op(self, node, name, *args):
         if name == "rope":
-            self.last_rope = out = super().op(name, *args)
+            self.last_rope = out = super().op(node, name, *args)
             return out
         if self.values_after_rope and name == "rmsnorm_unit" and self.last_rope is not None \
                 and self.last_rope.shape == args[1].shape and args[1].shape[1] == 1:
             args = (args[0], self.last_rope)  # v from the normed, rotated keys on the full layers
-        return super().op(self.rename.get(name, name), *args)
+        return super().op(node, self.rename.get(name, name), *args)
 
 
 class ForwardMutant:

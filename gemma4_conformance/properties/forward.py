@@ -44,17 +44,14 @@ class AdapterOps:
         self.adapter, self.dtype, self.observe = adapter, dtype, observe
         self.name = adapter.name
 
-    def op(self, name, *args):
+    def op(self, node, name, *args):
         out = call(self.adapter, name, args, self.dtype)
         if self.observe is not None:
-            self.observe(name, args, out)
+            self.observe(node, name, args, out)
         return out
 
     def weight(self, array):
         return np.asarray(array).astype(fmt(self.dtype).dtype)
-
-    def scale(self, x, s):
-        return (x * np.asarray(s).reshape(()).astype(x.dtype)).astype(x.dtype)
 
 
 @dataclass
@@ -66,13 +63,13 @@ class Certificate:
     worst_op: str = ""
     failures: list[str] = field(default_factory=list)
 
-    def __call__(self, op, args, out):
+    def __call__(self, node, op, args, out):
         verdict = assess(op, args, out, "float64", seed=self.calls, work=CERTIFY_WORK)
         self.calls += 1
         ratio = verdict.max_error / verdict.budget
         if ratio > self.worst:
             self.worst, self.worst_op = ratio, op
-        self.failures.extend(f"call {self.calls} ({op}): {f}" for f in verdict.failures)
+        self.failures.extend(f"call {self.calls} ({node}, {op}): {f}" for f in verdict.failures)
 
 
 def reference(config, weights, tokens, certify: bool = True):
