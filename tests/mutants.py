@@ -378,6 +378,77 @@ def decode_gqa_newest_key_masked(scale, q, k, v):
     return _gqa(scale, visible, q[None], k, v)[0]
 
 
+def _attention_args(op, args):
+    """(scale, visible [S, L], q [S, Hkv, G, D], k, v) of an attention op's arguments."""
+    from gemma4_conformance.properties.error_models import attention_inputs
+    return attention_inputs(op, args)
+
+
+def _attention_mutant(op, name, body):
+    """``body(scale, visible, q, k, v)`` -> [S, Hkv, G, D] as the op ``op`` (decode: its one query)."""
+    def run(*args):
+        scale, visible, q, k, v = _attention_args(op, args)
+        dtype = q.dtype
+        wide = np.float64 if dtype == np.float64 else np.float32
+        with np.errstate(all="ignore"):
+            out = np.asarray(body(scale, visible, q.astype(wide), k.astype(wide), v.astype(wide))).astype(dtype)
+        return out[0] if op == "decode_gqa" else out
+
+    run.__name__ = f"{op}_{name}"
+    return run
+
+
+def _zeros(scale, visible, q, k, v):
+    return np.zeros_like(q)
+
+
+def _uniform_weights(scale, visible, q, k, v):
+    """The average of the visible values: q.k ignored."""
+    counts = np.maximum(visible.sum(-1), 1)[:, None, None]
+    mean = np.einsum("sl,lcd->scd", visible.astype(q.dtype), v) / counts
+    return np.broadcast_to(mean[:, :, None, :], q.shape)
+
+
+def _last_head_zeroed(scale, visible, q, k, v):
+    out = _gqa(scale, visible, q, k, v).copy()
+    out[:, -1, -1] = 0  # query head Hkv * G - 1
+    return out
+
+
+def _running_max_from_zero(scale, visible, q, k, v, tile=64):
+    """An online softmax over tiles of 64 keys whose running maximum starts at 0 instead of -inf: rows
+    whose visible logits all lie far below 0 underflow exp and come out 0 (or 0/0)."""
+    S, Hkv, G, D = q.shape
+    logits = scale * np.einsum("scgd,lcd->scgl", q, k)
+    mask = visible[:, None, None, :]
+    running = np.zeros(logits.shape[:-1], dtype=q.dtype)
+    total = np.zeros_like(running)
+    acc = np.zeros(q.shape, dtype=q.dtype)
+    for start in range(0, k.shape[0], tile):
+        block = np.where(mask[..., start:start + tile], logits[..., start:start + tile], -np.inf)
+        new = np.maximum(running, block.max(-1, initial=-np.inf))
+        rescale, e = np.exp(running - new), np.exp(block - new[..., None])
+        total = total * rescale + e.sum(-1)
+        acc = acc * rescale[..., None] + np.einsum("scgl,lcd->scgd", e, v[start:start + tile])
+        running = new
+    return acc / np.where(total > 0, total, np.inf)[..., None]
+
+
+@_engine("rmsnorm")
+def rmsnorm_squares_in_float16(eps, x, w):
+    """x^2 and its mean computed in float16, the dtype of the weights, where x^2 overflows at |x| > 256."""
+    x16 = x.astype(np.float16)
+    mean = np.mean((x16 * x16).astype(np.float16), axis=-1, keepdims=True, dtype=np.float16).astype(np.float32)
+    return x / np.sqrt(mean + eps) * w
+
+
+@_engine("gelu_tanh")
+def gelu_tanh_tanh_rounded_to_dtype(x):
+    """tanh t rounded to bfloat16 before 1 + tanh t, as per-op bf16 JAX does: the tail cancels to 0."""
+    t = math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
+    return x / 2 * (1 + _round(np.tanh(t), BF16))
+
+
 def sigmoid_gate_operands_swapped(o, gate):
     return reference.sigmoid_gate(gate, o)
 
@@ -446,6 +517,15 @@ MUTANTS = [  # (op, dtype, mutant)
     ("sliding_gqa", "float32", sliding_gqa_heads_interleaved),
     ("decode_gqa", "float32", decode_gqa_heads_interleaved),
     ("decode_gqa", "bfloat16", decode_gqa_newest_key_masked),
+    *((op, dtype, _attention_mutant(op, name, body))
+      for op in ("causal_gqa", "sliding_gqa", "decode_gqa")
+      for name, body in (("returns_zeros", _zeros), ("ignores_qk", _uniform_weights),
+                         ("last_head_zeroed", _last_head_zeroed))
+      for dtype in ("bfloat16", "float16")),
+    *((op, "float32", _attention_mutant(op, "running_max_from_zero", _running_max_from_zero))
+      for op in ("causal_gqa", "sliding_gqa", "decode_gqa")),
+    ("rmsnorm", "float16", rmsnorm_squares_in_float16),
+    ("gelu_tanh", "bfloat16", gelu_tanh_tanh_rounded_to_dtype),
     ("sigmoid_gate", "float32", sigmoid_gate_operands_swapped),
     ("sigmoid_gate", "bfloat16", sigmoid_gate_silu_instead_of_sigmoid),
 ]

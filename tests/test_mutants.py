@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, given, settings, target
 
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.properties.harness import ContractViolation, case_json, judge
-from gemma4_conformance.properties.strategies import cases
+from gemma4_conformance.properties.strategies import cases, edge_cases
 from gemma4_conformance.spec import OP_NAMES
 from tests import mutants as m
 
@@ -26,9 +26,23 @@ class _Caught(Exception):
     """Raised at the first example a mutant fails, so that the search ends there (no shrinking)."""
 
 
+def _failures(adapter, op, case, dtype) -> tuple[list[str], float]:
+    try:
+        verdict = judge(adapter, op, case, dtype)
+    except ContractViolation as e:
+        return [str(e)], 0.0
+    error, allowed = verdict.worst
+    return verdict.failures, error / allowed
+
+
 def first_failure(adapter, op: str, dtype: str) -> tuple[int, dict, str] | None:
-    """The first example ``adapter`` fails: how many were drawn up to it, the case, and why; or None."""
-    drawn = 0
+    """The first example ``adapter`` fails, the edge cases first as in the suite: how many examples were
+    checked up to it, the case, and why; or None."""
+    for n, case in enumerate(edge_cases(op), 1):
+        failures, _ = _failures(adapter, op, case, dtype)
+        if failures:
+            return n, case, failures[0]
+    drawn = len(edge_cases(op))
     caught: list[tuple[int, dict, str]] = []
 
     @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -37,13 +51,8 @@ def first_failure(adapter, op: str, dtype: str) -> tuple[int, dict, str] | None:
     def search(case):
         nonlocal drawn
         drawn += 1
-        try:
-            verdict = judge(adapter, op, case, dtype)
-        except ContractViolation as e:
-            failures = [str(e)]
-        else:
-            failures = verdict.failures
-            target(verdict.max_error / verdict.budget, label="error / budget")
+        failures, fraction = _failures(adapter, op, case, dtype)
+        target(fraction, label="error / budget")
         if failures:
             caught.append((drawn, case, failures[0]))
             raise _Caught

@@ -1,7 +1,8 @@
 """The JAX backend: each op computed the way a Flax/MaxText Gemma computes it.
 
 * Elementwise ops (activations, softcap, residual, embedding scale, gates) run in the dtype under
-  test, with Python scalars weakly typed so they take that dtype.
+  test, with Python scalars weakly typed so they take that dtype; GELU is evaluated in float32 and
+  rounded once (jax.nn.gelu in bf16 cancels its negative tail to 0; see ``_gelu``).
 * Norms upcast to float32, normalise with ``rsqrt``, apply the weight in float32 and cast back.
 * RoPE builds inverse frequencies and angles in float32, casts cos/sin to the dtype and rotates in it.
 * Matmuls (linear, gate/up, LM head, both attention einsums) take dtype inputs and accumulate in
@@ -70,7 +71,14 @@ def silu(x):
 
 @_op()
 def gelu_tanh(x):
-    return jax.nn.gelu(x, approximate=True)
+    return _gelu(x)
+
+
+def _gelu(x):
+    # jax.nn.gelu on bf16/fp16 rounds tanh t to the dtype before 1 + tanh t (XLA on the CPU rounds each
+    # op), which cancels the negative tail to 0 (bf16 below x = -3.5): computed in float32, as torch's
+    # kernel and careful Flax engines do, and rounded once.
+    return jax.nn.gelu(x.astype(_wide(x.dtype)), approximate=True).astype(x.dtype)
 
 
 def _softcap(c, x):
@@ -188,7 +196,7 @@ def silu_mul(gu):
 @_op()
 def gelu_mul(gu):
     gate, up = jnp.split(gu, 2, axis=-1)
-    return jax.nn.gelu(gate, approximate=True) * up
+    return _gelu(gate) * up
 
 
 @_op()

@@ -1,19 +1,25 @@
-"""Each op's error model as two arrays per output element: the *scale* and the *flush* allowance.
+"""Each op's error model as two arrays per output element: the *scale* and the *absolute* allowance.
 
 Scale S: the magnitude at which ULPs are counted; a budget of b ULPs means
-|computed - exact| <= b * ulp_D(S) + flush.  For an op without cancellation S is the exact result
+|computed - exact| <= b * ulp_D(S) + absolute.  For an op without cancellation S is the exact result
 itself; where an implementation in finite precision cannot avoid cancelling (a sum with mixed signs,
-1 + tanh t near -1, a rotation, a softmax over large logits) S is the sum of the magnitudes the
-rounding errors scale with, so a budget holds for every input and is as sharp as the mathematics
-allows.
+a rotation, a softmax over large logits) S is the sum of the magnitudes the rounding errors scale
+with, so a budget holds for every input and is as sharp as the mathematics allows.
 
-Flush: a value below the smallest normal number (2^emin) may come out as zero, as flush-to-zero
-hardware does and as exp() overflowing in 1 / (1 + exp(-x)) does, and every factor applied after it
-scales that loss: x in x * sigmoid(x), c in c * tanh(x / c), the K terms of a dot product.  For a
-product of factors f_i computed in any order, every partial product is such an intermediate, and
-the loss is at most prod(1 + |f_i|) * 2^emin (``product_flush``).  Intermediates in the accumulation
-format flush at its own 2^emin.  The flush is 0 where the result must be exactly zero (masked
-entries, rows with nothing visible).
+Absolute: what the model bounds in absolute terms rather than in ULPs of D, added after the ULPs so
+that the budget counts only roundings in D:
+
+* flush: a value below the smallest normal number (2^emin) may come out as zero, as flush-to-zero
+  hardware does and as exp() overflowing in 1 / (1 + exp(-x)) does, and every factor applied after
+  it scales that loss: x in x * sigmoid(x), c in c * tanh(x / c), the K terms of a dot product.  For
+  a product of factors f_i computed in any order, every partial product is such an intermediate,
+  and the loss is at most prod(1 + |f_i|) * 2^emin (``product_flush``).  Intermediates in the
+  accumulation format flush at its own 2^emin.  It is 0 where the result must be exactly zero
+  (masked entries, rows with nothing visible).
+* steps the model puts in the accumulation format A (float32 for bf16 and fp16) whose error depends
+  on the data, bounded once with A's unit roundoff: a RoPE angle pos * w, GELU's tanh before
+  1 + tanh t cancels, attention's logits and softmax in an engine that keeps them in A.  Counted as
+  ULPs of D at the scale, such a term would be multiplied by the whole budget.
 
 Each function takes the op's arguments (floats widened to float64, which is exact), the exact result
 rounded to float64 (the model sizes a budget; it does not define correctness, so float64 is enough)
@@ -62,20 +68,25 @@ def silu(args, exact, dtype):
     return np.abs(exact), product_flush(dtype, x, 1.0)
 
 
-def _gelu_terms(x):
-    """|x|/2 (|1 + tanh t| + |tanh t| + |t| sech^2 t), t = k (x + 0.044715 x^3): rounding tanh t costs
-    u |tanh t| before 1 + tanh t cancels, and a relative error in t costs |t| sech^2(t) after it."""
+def _gelu_in_accumulation(x):
+    """|x|/2 (7 |t| sech^2 t + (TAU + 1) |tanh t|) + 2 |gelu(x)|, t = k (x + 0.044715 x^3): what GELU's
+    steps in A cost, in units of u_A.  t takes seven roundings relative to |t| (x^2, x^3, the two
+    constants, their product, the sum, the factor), each moving y by |x|/2 |t| sech^2 t; tanh t errs
+    by TAU and rounds once, relative to |tanh t|, before 1 + tanh t cancels (x << 0); 1 + tanh t and
+    x/2 (1 + tanh t) round once each relative to |y|."""
     with np.errstate(over="ignore", invalid="ignore"):
         t = GELU_K * (x + 0.044715 * x**3)
         th = np.tanh(t)
         small = np.abs(t) < 350
         slope = np.where(small, np.abs(t) / np.cosh(np.where(small, t, 0.0)) ** 2, 0.0)
-    return np.abs(x) / 2 * (np.abs(1 + th) + np.abs(th) + slope)
+        gelu = x / (1 + np.exp(np.minimum(-2 * t, 700)))  # x/2 (1 + tanh t), without its cancellation
+    return np.abs(x) / 2 * (7 * slope + (TAU + 1) * np.abs(th)) + 2 * np.abs(gelu)
 
 
 def gelu_tanh(args, exact, dtype):
+    """|y|; the steps in A bounded absolutely (``_gelu_in_accumulation``); x may flush before the product."""
     (x,) = args
-    return _gelu_terms(x), product_flush(dtype, x, 1.0)
+    return np.abs(exact), fmt(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(x) + product_flush(dtype, x, 1.0)
 
 
 def softcap(args, exact, dtype):
@@ -96,8 +107,10 @@ def silu_mul(args, exact, dtype):
 
 
 def gelu_mul(args, exact, dtype):
+    """|y|; gelu(gate)'s steps in A, times |up|; the product with up in D or A."""
     gate, up = _gate_up(args[0])
-    return _gelu_terms(gate) * np.abs(up), product_flush(dtype, gate, 1.0, up)
+    absolute = fmt(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(gate) * np.abs(up)
+    return np.abs(exact), absolute + product_flush(dtype, gate, 1.0, up)
 
 
 def sigmoid_gate(args, exact, dtype):
@@ -185,39 +198,41 @@ def lm_head(args, exact, dtype):
 
 
 def rope(args, exact, dtype):
-    """r (1 + ratio |a| (2 + TAU + |ln w|)) per rotated coordinate, r the pair's norm, a = pos w its angle.
+    """r per rotated coordinate, r the pair's norm; the angle a = pos w's own error bounded absolutely.
 
     The angle is computed in the accumulation format A: 2i/denom and the product round once each (2),
-    the power errs by up to TAU, and rounding 2i/denom moves w by |ln w| relatively.  An angle error da moves the output
-    by at most r da; ratio = u_A / u_D counts it in ULPs of D.  Pass-through coordinates scale with |x|.
+    the power errs by up to TAU, and rounding 2i/denom moves w by |ln w| relatively, so a errs by at
+    most u_A |a| (2 + TAU + |ln w|), which moves the output by at most r times that.  Pass-through
+    coordinates scale with |x|.
     """
     *head, pos, x = args
     theta, rot, denom, active = head if len(head) == 4 else (head[0], head[1], head[1], head[1] // 2)
     half = rot // 2
     D = x.shape[-1]
     scale = np.abs(x).copy()
-    ratio = accumulation_ratio(dtype)
+    angle_error = np.zeros_like(scale)
+    u_acc = fmt(ACCUMULATION[dtype]).eps
     for i in range(min(half, D)):
         j = i + half
         w = theta ** (-(2 * i / denom)) if i < active else 0.0
         angle = np.abs(np.asarray(pos, dtype=np.float64) * w)
-        angle_error = ratio * angle * (2 + TAU + (abs(math.log(w)) if w else 0.0))
         partner = x[..., j] if j < D else 0.0
-        r = np.hypot(x[..., i], partner) * (1 + angle_error)
+        r = np.hypot(x[..., i], partner)
         scale[..., i] = r
+        angle_error[..., i] = r * u_acc * angle * (2 + TAU + (abs(math.log(w)) if w else 0.0))
         if j < D:
-            scale[..., j] = r
-    return scale, product_flush(dtype, scale, 1.0) * 2
+            scale[..., j], angle_error[..., j] = r, angle_error[..., i]
+    return scale, angle_error + product_flush(dtype, scale, 1.0) * 2
 
 
 def inv_freq(args, exact, dtype):
-    """|w| (1 + ratio (2 + |ln w|)): w is computed in the accumulation format, where 2i/denom and a
-    reciprocal round once each and rounding 2i/denom moves w by |ln w| relatively; the power's own
-    error is the budget's fn."""
+    """|w|; w is computed in the accumulation format, where 2i/denom and a reciprocal round once each
+    and rounding 2i/denom moves w by |ln w| relatively: u_A |w| (2 + |ln w|), bounded absolutely; the
+    power's own error is the budget's fn."""
     w = np.abs(exact)
     with np.errstate(divide="ignore"):
         log_w = np.where(w > 0, np.abs(np.log(np.where(w > 0, w, 1.0))), 0.0)
-    return w * (1 + accumulation_ratio(dtype) * (2 + log_w)), tiny(dtype)
+    return w, fmt(ACCUMULATION[dtype]).eps * w * (2 + log_w) + tiny(dtype)
 
 
 def _masked_softmax(logits, visible):
@@ -255,10 +270,7 @@ def _attention(scale, visible, q, k, v, dtype):
     logits' errors meet in each ratio p_l / p_m).  The case strategies keep d_max small, where the
     factor is near 1; beyond it the budget widens as the mathematics says it must.
     """
-    logits = scale * np.einsum("scge,lce->scgl", q, k)
-    magnitudes = abs(scale) * np.einsum("scge,lce->scgl", np.abs(q), np.abs(k))
-    mask = visible[:, None, None, :]
-    p, z = _masked_softmax(logits, mask)
+    p, z, magnitudes, mask = _logits(scale, visible, q, k)
     weight = np.where(mask, 1 + np.abs(z) + magnitudes, 0.0)
     pv = np.einsum("scgl,lcd->scgd", p, np.abs(v))
     pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v))
@@ -269,19 +281,61 @@ def _attention(scale, visible, q, k, v, dtype):
     return first_order * growth, np.broadcast_to(flush, pwv.shape)
 
 
-def causal_gqa(args, exact, dtype):
-    scale, pos, q, k, v = args
-    keys = np.arange(k.shape[0])
-    return _attention(scale, keys[None, :] <= np.asarray(pos)[:, None], q, k, v, dtype)
+def _logits(scale, visible, q, k):
+    """The exact logits' softmax p and shifted logits z [S, Hkv, G, L], |scale| sum_e |q_e k_le| and the mask."""
+    logits = scale * np.einsum("scge,lce->scgl", q, k)
+    magnitudes = abs(scale) * np.einsum("scge,lce->scgl", np.abs(q), np.abs(k))
+    mask = visible[:, None, None, :]
+    p, z = _masked_softmax(logits, mask)
+    return p, z, magnitudes, mask
 
 
-def sliding_gqa(args, exact, dtype):
+def _attention_in_accumulation(scale, visible, q, k, v, dtype):
+    """Scale sum_l p_l |v_l| and the absolute allowance of an engine that keeps logits and softmax in A
+    (FlashAttention-style kernels, and most serving engines): the weights are rounded to D for the
+    product with v (or kept in A), the weighted sum is accumulated in A and rounded once to D.
+
+    In A, a logit errs by at most u_A ((D + 2) a_l) (gamma_D of its dot product, the scale held in A
+    and the product with it), z_l = s_l - max by u_A |z_l| more, exp by u_A (TAU + 1): w_l = (D + 2)
+    a_l + |z_l| + TAU + 1; the normalisation passes each weight's error to all, as in the plain model;
+    the sum of exponentials, the quotient, the rescaling of an online softmax and the weighted sum of
+    values cost u_A (L + 2) sum_l p_l |v_l|.  Absolute: u_A (sum_l p_l |v_l| (w_l + L + 2) +
+    (sum_l p_l |v_l|)(sum_j p_j w_j)), plus what may flush (as in the plain model).  The budget counts
+    the roundings in D: each weight's, relative u_D (1), and the output's (0.5).
+    """
+    p, z, magnitudes, mask = _logits(scale, visible, q, k)
+    weight = np.where(mask, (q.shape[-1] + 2) * magnitudes + np.abs(z) + TAU + 1, 0.0)
+    pv = np.einsum("scgl,lcd->scgd", p, np.abs(v))
+    pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v))
+    L = k.shape[0]
+    in_accumulation = pwv + pv * (np.sum(p * weight, axis=-1)[..., None] + L + 2)
+    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + np.abs(v))[:, :, None, :]
+    return pv, fmt(ACCUMULATION[dtype]).eps * in_accumulation + flush
+
+
+def attention_inputs(op, args):
+    """(scale, visible [S, L], q [S, Hkv, G, D], k, v) of an attention op; decode is one query at L - 1."""
+    if op == "decode_gqa":
+        scale, q, k, v = args
+        return scale, np.ones((1, k.shape[0]), dtype=bool), q[None], k, v
+    keys = np.arange(args[-2].shape[0])[None, :]
+    if op == "causal_gqa":
+        scale, pos, q, k, v = args
+        return scale, keys <= np.asarray(pos)[:, None], q, k, v
     scale, window, pos, q, k, v = args
-    keys, pos = np.arange(k.shape[0])[None, :], np.asarray(pos)[:, None]
-    return _attention(scale, (keys <= pos) & (pos < keys + window), q, k, v, dtype)
+    pos = np.asarray(pos)[:, None]
+    return scale, (keys <= pos) & (pos < keys + window), q, k, v
 
 
-def decode_gqa(args, exact, dtype):
-    scale, q, k, v = args
-    scale_, flush = _attention(scale, np.ones((1, k.shape[0]), dtype=bool), q[None], k, v, dtype)
-    return scale_[0], flush[0]
+def _per_op(model, op):
+    def error_model(args, exact, dtype):
+        scale, absolute = model(*attention_inputs(op, args), dtype)
+        return (scale[0], absolute[0]) if op == "decode_gqa" else (scale, absolute)
+
+    error_model.__name__ = f"{op}_{model.__name__.strip('_')}"
+    return error_model
+
+
+causal_gqa, sliding_gqa, decode_gqa = (_per_op(_attention, op) for op in ("causal_gqa", "sliding_gqa", "decode_gqa"))
+causal_gqa_in_accumulation, sliding_gqa_in_accumulation, decode_gqa_in_accumulation = (
+    _per_op(_attention_in_accumulation, op) for op in ("causal_gqa", "sliding_gqa", "decode_gqa"))

@@ -14,6 +14,7 @@ from gemma4_conformance.spec.exact import widen
 
 from .budget import budget
 from .strategies import build
+from .error_models import attention_inputs
 from .table import OPS, ORACLE_WORK
 
 
@@ -58,18 +59,43 @@ def _widened(args):
 
 
 @dataclass
+class Tier2:
+    """The second tier of an example: the candidate's error and the plain arrangements' largest, in
+    ULPs at the tier's scale beyond its absolute allowance, and what the candidate is allowed."""
+
+    error: float
+    baseline: float
+    allowed: float
+
+
+@dataclass
 class Verdict:
-    """One example's outcome: its largest error in ULPs at the op's scale, against its budget."""
+    """One example's outcome: its largest error in ULPs at the op's scale, against its budget (and the
+    second tier's, where the op has one), and whether the allowance excludes trivially wrong answers."""
 
     op: str
     dtype: str
     budget: float
     errors: np.ndarray  # ULPs at the scale, per checked coordinate
     failures: list[str] = field(default_factory=list)
+    tier2: Tier2 | None = None
+    admitted: list[str] = field(default_factory=list)  # trivially wrong answers the allowance admits
 
     @property
     def max_error(self) -> float:
         return float(np.max(self.errors)) if self.errors.size else 0.0
+
+    @property
+    def worst(self) -> tuple[float, float]:
+        """(error, budget) of the tier with the least headroom: what the report calls this example's error."""
+        if self.tier2 is not None and self.tier2.error * self.budget > self.max_error * self.tier2.allowed:
+            return self.tier2.error, self.tier2.allowed
+        return self.max_error, self.budget
+
+    @property
+    def informative(self) -> bool:
+        """Evidence: every trivially wrong answer (zeros, the sign flipped, ...) would have failed."""
+        return not self.admitted
 
     @property
     def passed(self) -> bool:
@@ -77,9 +103,10 @@ class Verdict:
 
 
 def judge(adapter, op: str, case: dict, dtype: str, seed: int = 0) -> Verdict:
-    """Run ``case`` on the backend and compare a sample of its output with the oracle."""
+    """Run ``case`` on the backend and compare a sample of its output with the oracle (the whole output
+    where the case asks for it with ``"work"``, its oracle work in multiply-adds)."""
     args = build(op, case, dtype)
-    return assess(op, args, call(adapter, op, args, dtype), dtype, seed)
+    return assess(op, args, call(adapter, op, args, dtype), dtype, seed, case.get("work", ORACLE_WORK))
 
 
 def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, work: int = ORACLE_WORK) -> Verdict:
@@ -90,13 +117,12 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     exact = np.asarray(entry.oracle(*sub_args), dtype=object).reshape(got.shape)
     exact64 = round_to(exact, "float64")
     expected = round_to(exact, dtype).astype(np.float64)
-    scale, flush = entry.scale(_widened(sub_args), exact64, dtype)
-    scale = np.broadcast_to(scale, got.shape)
-    flush = np.broadcast_to(flush, got.shape)
+    scale, absolute = (np.broadcast_to(a, got.shape) for a in entry.scale(_widened(sub_args), exact64, dtype))
 
     dims, _ = CONTRACT[op].bind(*sub_args)
     b = budget(op, dtype)
-    allowed = b.ulps(**dims, **entry.quantities(sub_args))
+    quantities = {**dims, **entry.quantities(sub_args)}
+    allowed = b.ulps(**quantities)
 
     got64 = got.astype(np.float64)
     finite = np.isfinite(got64)
@@ -104,8 +130,8 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     flat_err, flat_exact, flat_got = error.reshape(-1), exact.reshape(-1), got64.reshape(-1)
     for i in np.flatnonzero(finite.reshape(-1)):
         flat_err[i] = abs(float(mpf(float(flat_got[i])) - flat_exact[i]))
-    # ULPs at the scale, with the flush allowance folded into the unit: error <= budget * unit.
-    unit = ulp(scale, dtype) + flush / allowed
+    # ULPs at the scale, with the absolute allowance folded into the unit: error <= budget * unit.
+    unit = ulp(scale, dtype) + absolute / allowed
     ulps = np.where(finite, error / unit, np.inf)
     # A result that rounds to +-inf in the dtype (overflow) is right when the backend gives that inf.
     ulps = np.where(np.isinf(got64) & (got64 == expected), 0.0, ulps)
@@ -118,7 +144,7 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     if overflow.any():
         failures.append(f"inf at {_coords(index, overflow)} where the exact result rounds to "
                         f"{expected[overflow][0]!r} in {dtype}")
-    zero_scale = (scale == 0) & (flush == 0) & finite & (error != 0)
+    zero_scale = (scale == 0) & (absolute == 0) & finite & (error != 0)
     if zero_scale.any():
         failures.append(f"{got64[zero_scale][0]!r} at {_coords(index, zero_scale)} where the exact result is 0 "
                         f"(a masked or exactly-zero output must be exactly 0)")
@@ -129,8 +155,57 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
             f"error {ulps[worst]:.4g} ULPs at the op's scale > budget {allowed:.4g} ({b.formula}) at "
             f"{_coords(index, worst)}: got {got64[worst]!r}, exact {float(exact64[worst])!r} "
             f"(correctly rounded {expected[worst]!r}), scale {float(scale[worst]):.6g}")
+    tier1_allowance = allowed * ulp(scale, dtype) + absolute
+
+    def tier1_admits(answer):
+        return bool(np.all(np.abs(answer - exact64) <= tier1_allowance))
+
+    tier2 = tier2_admits = None
+    if b.tier2 is not None:
+        t_scale, t_absolute = (np.broadcast_to(a, got.shape) for a in entry.tier2(_widened(sub_args), exact64, dtype))
+        t_unit = ulp(t_scale, dtype)
+        judged = t_scale > 0  # rows with nothing visible: tier 1 holds them to exactly 0
+
+        def beyond(answer):
+            """The largest error of ``answer`` in ULPs at the tier's scale beyond its absolute allowance."""
+            excess = np.maximum(np.abs(answer - exact64) - t_absolute, 0.0) / t_unit
+            return float(np.max(np.where(judged, excess, 0.0), initial=0.0))
+
+        baseline = max(beyond(plain) for plain in entry.plain(op, sub_args, dtype))
+        tier2 = Tier2(beyond(np.where(finite, got64, np.inf)), baseline,
+                      b.tier2.ulps(**quantities) + b.factor * baseline)
+        if tier2.error > tier2.allowed:
+            failures.append(
+                f"error {tier2.error:.4g} ULPs at the second tier's scale (sum_l p_l |v_l|, beyond its absolute "
+                f"allowance) > {tier2.allowed:.4g} = {b.tier2.formula} + {b.factor:g} x {baseline:.4g}, the largest "
+                f"error of the plain {dtype} arrangements on these inputs")
+
+        def tier2_admits(answer):
+            return beyond(answer) <= tier2.allowed
+
+    admitted = [name for name, answer in trivial_answers(op, sub_args, exact64).items()
+                if tier1_admits(answer) and (tier2_admits is None or tier2_admits(answer))]
     finite_ulps = ulps[np.isfinite(ulps)]
-    return Verdict(op, dtype, allowed, finite_ulps.ravel(), failures)
+    return Verdict(op, dtype, allowed, finite_ulps.ravel(), failures, tier2, admitted)
+
+
+def trivial_answers(op: str, args: tuple, exact: np.ndarray) -> dict[str, np.ndarray]:
+    """Wrong answers an allowance must exclude for an example to count as evidence: zeros and the sign
+    flipped for every op; for attention also the uniform average of the visible values (q.k ignored)
+    and each query head zeroed."""
+    answers = {"zeros": np.zeros_like(exact), "the sign flipped": -exact}
+    if op in ("causal_gqa", "sliding_gqa", "decode_gqa"):
+        scale, visible, q, k, v = attention_inputs(op, args)
+        counts = visible.sum(-1)
+        mean = np.einsum("sl,lcd->scd", visible.astype(float), widen(v)) / np.maximum(counts, 1)[:, None, None]
+        uniform = np.broadcast_to(mean[:, :, None, :], q.shape)
+        answers["uniform weights (q.k ignored)"] = uniform[0] if op == "decode_gqa" else uniform
+        heads = exact.reshape(-1, *exact.shape[-3:]) if op != "decode_gqa" else exact[None]
+        for c, g in np.ndindex(*heads.shape[1:3]):
+            zeroed = heads.copy()
+            zeroed[:, c, g] = 0.0
+            answers[f"query head {c * heads.shape[2] + g} zeroed"] = zeroed.reshape(exact.shape)
+    return answers
 
 
 def _first(mask: np.ndarray):

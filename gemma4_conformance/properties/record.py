@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+# Informative examples an op x dtype needs to count as established: an example whose allowance admits
+# a trivially wrong answer (zeros, the sign flipped, attention's uniform weights or a zeroed head)
+# passed, but says nothing about whether the backend computes the op.
+MIN_INFORMATIVE = 3
+
+
 def reported(outcome: str, deviation: str) -> str:
     """The outcome as reported: a failure a known-deviations entry covers (``deviation``, its reason)
     is a "known deviation"."""
@@ -28,13 +34,15 @@ class OpRecord:
     worst_command: str = ""
     per_example: list[float] = field(default_factory=list)  # each example's largest error in ULPs
     fractions: list[float] = field(default_factory=list)  # each example's largest error over its budget
-    outcome: str = "not run"  # passed, failed, unsupported, errored
+    outcome: str = "not run"  # passed, failed, unsupported, errored, not established
     message: str = ""  # why the worst example failed, or why the op errored
+    informative: int = 0  # examples whose allowance excluded every trivially wrong answer
 
-    def add(self, ulps: float, budget: float, case: dict, command: str) -> bool:
+    def add(self, ulps: float, budget: float, case: dict, command: str, informative: bool = True) -> bool:
         """Count one example; returns whether it is now the worst (once the op broke, the case it broke
         on stays the one to rerun)."""
         self.examples += 1
+        self.informative += informative
         self.per_example.append(ulps)
         self.fractions.append(ulps / budget)
         if self.outcome == "errored" or not (self.worst_case is None or ulps / budget > self.worst_ulps / self.budget):
@@ -112,16 +120,16 @@ class Recorder:
 
     def table(self) -> list[str]:
         """The terminal summary: one line per backend x dtype x op, the forward verdicts, failed relations."""
-        lines = [f"{'backend':<8} {'dtype':<9} {'op':<15} {'outcome':<11} {'examples':>8} "
+        lines = [f"{'backend':<8} {'dtype':<9} {'op':<15} {'outcome':<15} {'examples':>8} {'inform.':>7} "
                  f"{'ULPs':>10} {'budget':>9} {'headroom':>9}"]
         for r in sorted(self.records.values(), key=lambda r: (r.backend, r.dtype, r.op)):
             outcome = self.outcome(r.backend, r.dtype, r.op, r.outcome)
-            lines.append(f"{r.backend:<8} {r.dtype:<9} {r.op:<15} {outcome:<11} {r.examples:>8} "
+            lines.append(f"{r.backend:<8} {r.dtype:<9} {r.op:<15} {outcome:<15} {r.examples:>8} {r.informative:>7} "
                          f"{r.worst_ulps:>10.3g} {r.budget:>9.3g} {r.headroom:>9.3g}")
         for (backend, dtype), v in sorted(self.forward.items()):
             worst = max(v.layers, key=lambda e: e[0] / max(e[1], 1e-300), default=(0.0, 0.0))
             outcome = self.outcome(backend, dtype, "forward", "failed" if v.failures else "passed")
-            lines.append(f"{backend:<8} {dtype:<9} {'forward':<15} {outcome:<11} "
+            lines.append(f"{backend:<8} {dtype:<9} {'forward':<15} {outcome:<15} "
                          f"logits rel. error {v.logits[0]:.3g} (baseline {v.logits[1]:.3g}), worst layer "
                          f"{worst[0]:.3g} (baseline {worst[1]:.3g}), top-1 agreement {v.top1_agreement:.0%}")
         if self.relations:

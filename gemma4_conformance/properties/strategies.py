@@ -28,17 +28,21 @@ LOG2_RANGE = {"float64": (-40, 40), "float32": (-30, 30), "bfloat16": (-30, 30),
 DISTRIBUTIONS = ("normal", "uniform", "positive", "wide", "specials", "integers")
 
 
-def _log2(dtype, lo=None, hi=None):
-    low, high = LOG2_RANGE[dtype]
+# A norm squares in the accumulation format, so its inputs may reach where x^2 overflows float16.
+NORM_LOG2_RANGE = {**LOG2_RANGE, "float16": (-8, 10)}
+
+
+def _log2(dtype, lo=None, hi=None, log2_range=LOG2_RANGE):
+    low, high = log2_range[dtype]
     return st.integers(max(low, lo) if lo is not None else low, min(high, hi) if hi is not None else high)
 
 
-def floats(shape, dtype, lo=None, hi=None, distributions=DISTRIBUTIONS):
+def floats(shape, dtype, lo=None, hi=None, distributions=DISTRIBUTIONS, log2_range=LOG2_RANGE):
     """An array description: shape, distribution, binade (values about 2^log2) and seed."""
     return st.fixed_dictionaries({
         "shape": st.just(list(shape)),
         "dist": st.sampled_from(distributions),
-        "log2": _log2(dtype, lo, hi),
+        "log2": _log2(dtype, lo, hi, log2_range),
         "seed": st.integers(0, 2**32 - 1),
     })
 
@@ -53,8 +57,11 @@ def _specials(f):
 
 
 def realize(desc, dtype) -> np.ndarray:
-    """The array a description stands for, rounded to ``dtype``."""
+    """The array a description stands for, rounded to ``dtype``: drawn from a distribution, or given
+    as ``{"values": nested list}`` (hand-built edge cases)."""
     f = fmt(dtype)
+    if "values" in desc:
+        return np.asarray(desc["values"], dtype=np.float64).astype(f.dtype)
     rng = np.random.default_rng(desc["seed"])
     shape, scale = tuple(desc["shape"]), 2.0 ** desc["log2"]
     dist = desc["dist"]
@@ -134,8 +141,8 @@ def _norm(draw, dtype, op):
             args["w"] = draw(floats([shape[-1]], dtype, lo=-4, hi=2))
         elif a.name == "z":
             args["z"] = draw(floats(shape, dtype, lo=-6, hi=4))
-        else:  # from far below sqrt(eps) (eps dominates) to large
-            args["x"] = draw(floats(shape, dtype, lo=-24, hi=12))
+        else:  # from far below sqrt(eps) (eps dominates) to large: in float16 up to where x^2 overflows it
+            args["x"] = draw(floats(shape, dtype, lo=-24, hi=12, log2_range=NORM_LOG2_RANGE))
     return {"args": args}
 
 
@@ -218,16 +225,25 @@ def _softmax(draw, dtype, op):
             "offset": draw(st.sampled_from([0.0, 100.0, -100.0, 1e4]))}
 
 
+GEMMA_ATTENTION = ((8, 2, 256), (1, 16, 512))  # (Hkv, G, D) of the sliding and the full layers
+
+
 @st.composite
 def _attention(draw, dtype, op):
-    Hkv, G = draw(gqa)
-    D = draw(head_dims)
-    # Short caches, or long ones (narrow accumulators show there) with head sizes the oracle affords.
-    L = draw(st.integers(1, 70) | st.sampled_from([255, 256, 513, 1024]))
-    while L * D * G > 2**17 and D > 1:
-        D //= 2
+    gemma = draw(st.booleans())
+    if gemma:  # the real layers' heads at scale 1, q and k of RMS 2^-2 to 2^-1 as their norms give
+        Hkv, G, D = draw(st.sampled_from(GEMMA_ATTENTION))
+        L = draw(st.integers(1, 48))
+    else:
+        Hkv, G = draw(gqa)
+        D = draw(head_dims)
+        # Short caches, or long ones (narrow accumulators show there) with head sizes the oracle affords.
+        L = draw(st.integers(1, 70) | st.sampled_from([255, 256, 513, 1024]))
+        while L * D * G > 2**17 and D > 1:
+            D //= 2
     # scale 0 makes every visible key equally likely: long one-signed sums, where narrow accumulators fail
-    args = {"scale": draw(st.sampled_from([1.0, 1 / math.sqrt(D), 0.125, 0.0]) | st.floats(0.01, 2.0))}
+    scale = 1.0 if gemma else draw(st.sampled_from([1.0, 1 / math.sqrt(D), 0.125, 0.0]) | st.floats(0.01, 2.0))
+    args = {"scale": scale}
     if op == "decode_gqa":
         q_shape = [Hkv, G, D]
     else:
@@ -241,20 +257,27 @@ def _attention(draw, dtype, op):
         q_shape = [S, Hkv, G, D]
         if op == "sliding_gqa":
             args["window"] = draw(st.integers(1, L + 3))
-    # q and k of 2^qk per coordinate: logits from fractions of a unit to tens, never so large that
-    # their rounding in the dtype (u |logit|) exceeds about 1/16, where attention is well posed; and
-    # q.k before the scale (engines scale after the product), with coordinates up to 8 x 2^qk (the
-    # integers), within 1/16 of the dtype's range.
     f = fmt(dtype)
-    well_posed = 1 / (16 * f.eps * max(args["scale"], 2.0**-20) * D)
-    in_range = f.max_finite / (16 * 64 * D)
-    limit = math.floor(math.log2(min(well_posed, in_range)) / 2)
-    qk = draw(st.integers(min(-6, limit), min(4, limit)))
     smooth = ("normal", "uniform", "positive", "integers")
-    args["q"] = draw(floats(q_shape, dtype, lo=qk, hi=qk, distributions=smooth))
-    args["k"] = draw(floats([L, Hkv, D], dtype, lo=qk, hi=qk, distributions=smooth))
+    if gemma:
+        qk = draw(st.sampled_from([-2, -1.5, -1]))
+        smooth = ("normal", "uniform")
+    else:
+        # q and k of 2^qk per coordinate: logits from fractions of a unit to tens, never so large that
+        # their rounding in the dtype (u |logit|) exceeds about 1/16, where the worst case is well posed;
+        # and q.k before the scale (engines scale after the product), with coordinates up to 8 x 2^qk
+        # (the integers), within 1/16 of the dtype's range.
+        well_posed = 1 / (16 * f.eps * max(args["scale"], 2.0**-20) * D)
+        in_range = f.max_finite / (16 * 64 * D)
+        limit = math.floor(math.log2(min(well_posed, in_range)) / 2)
+        qk = draw(st.integers(min(-6, limit), min(4, limit)))
+    args["q"] = {**draw(floats(q_shape, dtype, distributions=smooth)), "log2": qk}
+    args["k"] = {**draw(floats([L, Hkv, D], dtype, distributions=smooth)), "log2": qk}
     args["v"] = draw(floats([L, Hkv, D], dtype, lo=-8, hi=4))
-    return {"args": args}
+    # A logit offset (every logit moved by about this much): kernels that do not subtract the row's
+    # maximum overflow exp at +100, and one whose running maximum starts at 0 underflows at -100.
+    offset = draw(st.sampled_from([0, 0, 64, -100, 100])) if scale >= 0.5 else 0
+    return {"args": args, "offset": offset}
 
 
 CASES = {
@@ -275,14 +298,38 @@ def cases(op: str, dtype: str):
 
 
 LONG_SUM = 4096  # terms: a bf16 or fp16 running sum of them is off by far more than any budget allows
+WHOLE = 10**9  # oracle work for an edge case: its whole output is checked, every head and row
+
+
+def _desc(shape, dist, log2, seed):
+    return {"shape": list(shape), "dist": dist, "log2": log2, "seed": seed}
+
+
+def _attention_case(op, Hkv, G, D, L, q, k, v, scale=1.0, pos=None, window=None, **extra):
+    """An attention case; ``pos`` (causal, sliding) defaults to the last query, ``window`` to L."""
+    args = {"scale": scale, "k": k, "v": v}
+    if op == "decode_gqa":
+        args["q"] = q([Hkv, G, D])
+    else:
+        pos = [L - 1] if pos is None else pos
+        args |= {"pos": pos, "q": q([len(pos), Hkv, G, D])}
+    if op == "sliding_gqa":
+        args["window"] = L if window is None else window
+    return {"args": {name: args[name] for name in (a.name for a in CONTRACT[op].args)}, **extra}
 
 
 def edge_cases(op: str) -> list[dict]:
-    """The cases every run checks before drawing any: long one-signed sums (dot products, sums of
-    squares, softmax denominators, attention's weighted values), where an accumulator narrower than
-    float32 fails. Drawn examples reach them only by luck in a profile of a dozen examples."""
+    """The cases every run checks before drawing any, each aimed at where kernels break: long
+    one-signed sums (dot products, sums of squares, softmax denominators, attention's weighted
+    values), where an accumulator narrower than float32 fails; attention at Gemma's geometry, where a
+    kernel that ignores q.k, zeroes a head or returns zeros must fail; rows whose visible logits all
+    lie far below 0 (an online softmax whose running maximum starts at 0 underflows) or far above
+    it (one that does not subtract the maximum overflows), over several tiles of 64 keys with the
+    first tiles fully masked and windows crossing tile borders; float16 norms whose x^2 overflows
+    float16; GELU's negative tail, which rounding tanh to the dtype cancels to 0.  Drawn examples
+    reach these only by luck in a profile of a dozen examples."""
     def positive(shape, seed, log2=0):
-        return {"shape": list(shape), "dist": "positive", "log2": log2, "seed": seed}
+        return _desc(shape, "positive", log2, seed)
 
     K, L = LONG_SUM, 1024
     if op in ("linear", "lm_head"):
@@ -296,20 +343,38 @@ def edge_cases(op: str) -> list[dict]:
     if op in ("rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm"):
         names = [a.name for a in CONTRACT[op].args if a.kind == "float"]
         shapes = {"x": [2, K], "z": [2, K], "w": [K]}
-        return [{"args": {"eps": 1e-6, **{n: positive(shapes[n], seed) for seed, n in enumerate(names, 1)}}}]
-    if op == "softmax":  # nearly equal logits: K terms of about 1/K each
+        long_sum = {"eps": 1e-6, **{n: positive(shapes[n], seed) for seed, n in enumerate(names, 1)}}
+        # |x| about 1024: x^2 overflows float16, the sum of squares does not overflow float32
+        large = {"eps": 1e-6, **{n: _desc([2, 256] if n != "w" else [256], "normal", 10 if n == "x" else 0, seed)
+                                 for seed, n in enumerate(names, 1)}}
+        return [{"args": long_sum}, {"args": large}]
+    if op == "softmax":  # nearly equal logits: K terms of about 1/K each; integer logits all near -160
         return [{"args": {"s": positive([2, K], 1, log2=-20), "visible": {"pattern": "all", "seed": 0}},
-                 "offset": 0.0}]
-    if op in ("causal_gqa", "sliding_gqa", "decode_gqa"):  # scale 0: L equally weighted one-signed values
-        Hkv, G, D = 1, 2, 64
-        args = {"scale": 0.0, "k": positive([L, Hkv, D], 2), "v": positive([L, Hkv, D], 3)}
-        if op == "decode_gqa":
-            args["q"] = positive([Hkv, G, D], 1)
-        else:
-            args |= {"pos": [L - 1], "q": positive([1, Hkv, G, D], 1)}
-        if op == "sliding_gqa":
-            args["window"] = L
-        return [{"args": {name: args[name] for name in (a.name for a in CONTRACT[op].args)}}]
+                 "offset": 0.0},
+                {"args": {"s": _desc([3, 200], "integers", 0, 4), "visible": {"pattern": "prefix", "seed": 5}},
+                 "offset": -160.0}]
+    if op in ("gelu_tanh", "gelu_mul"):  # the negative tail, x in [-6, -2], times an exact up of 1.5
+        tail = np.linspace(-6, -2, 64).tolist()
+        x = tail if op == "gelu_tanh" else tail + [1.5] * 64
+        return [{"args": {("x" if op == "gelu_tanh" else "gu"): {"values": [x]}}}]
+    if op in ("causal_gqa", "sliding_gqa", "decode_gqa"):
+        cases = [  # scale 0: L equally weighted one-signed values
+            _attention_case(op, 1, 2, 64, L, lambda shape: positive(shape, 1), positive([L, 1, 64], 2),
+                            positive([L, 1, 64], 3), scale=0.0, window=L)]
+        for Hkv, G, D in GEMMA_ATTENTION:  # every head checked: q and k of RMS 2^-1.5, as Gemma's norms give
+            keys = 32
+            cases.append(_attention_case(
+                op, Hkv, G, D, keys, lambda shape: _desc(shape, "normal", -1.5, 11), _desc([keys, Hkv, D], "normal", -1.5, 12),
+                _desc([keys, Hkv, D], "normal", 0, 13), pos=list(range(keys - 4, keys)), window=keys // 2, work=WHOLE))
+        # Integer logits (exact in every dtype) offset to all below -96 or all above 96, over 200 keys:
+        # tiles of 64 with early queries at their borders, a window of 40 whose first tiles are masked.
+        tiles = 200
+        pos = [150, 170, 199] if op == "sliding_gqa" else [0, 63, 64, 127, 128, 199]
+        for offset in (-160.0, 160.0):
+            cases.append(_attention_case(
+                op, 1, 2, 2, tiles, lambda shape: _desc(shape, "integers", 0, 21), _desc([tiles, 1, 2], "integers", 0, 22),
+                _desc([tiles, 1, 2], "normal", 0, 23), pos=pos, window=40, offset=offset, work=WHOLE))
+        return cases
     return []
 
 
@@ -340,4 +405,9 @@ def build(op: str, case: dict, dtype: str) -> tuple:
         values["h"] = (-x / values["r"] if values["r"] else x).astype(f.dtype)
     if case.get("offset") and op == "softmax":
         values["s"] = (values["s"].astype(np.float64) + case["offset"]).astype(f.dtype)
+    if case.get("offset") and op in ("causal_gqa", "sliding_gqa", "decode_gqa"):
+        # q_0 = 8 and k_l0 = offset / (8 scale) add about offset to every logit (exactly, where it is
+        # a multiple of 8 scale that the dtype holds).
+        values["q"][..., 0] = 8.0
+        values["k"][..., 0] = np.float64(case["offset"] / (8 * values["scale"])).astype(f.dtype)
     return tuple(values[a.name] for a in spec.args)

@@ -17,7 +17,7 @@ import numpy as np
 
 from gemma4_conformance import spec
 
-from . import error_models
+from . import budget, error_models, plain
 
 # The oracle work an example may cost, in multiply-adds (about 0.05 s of mpmath).
 ORACLE_WORK = 100_000
@@ -108,13 +108,16 @@ def whole(op, args, rng, work=ORACLE_WORK):
 class OpEntry:
     name: str
     oracle: Callable
-    scale: Callable  # error_models: (args as float64, exact as float64, dtype) -> scale per element
+    scale: Callable  # error_models: (args as float64, exact as float64, dtype) -> (scale, absolute) per element
     sample: Callable  # (op, args, rng, work) -> (sub-args, index into the backend's output)
     quantities: Callable = lambda args: {}  # budget names beyond the contract's dimensions
+    tier2: Callable | None = None  # the second tier's error model, where tolerances.yaml gives one
+    plain: Callable | None = None  # (op, args, dtype) -> the plain same-dtype arrangements' outputs
 
 
-def _entry(name, scale, sample, quantities=None):
-    return OpEntry(name, getattr(spec, name), scale, sample, quantities or (lambda args: {}))
+def _entry(name, scale, sample, quantities=None, tier2=None):
+    return OpEntry(name, getattr(spec, name), scale, sample, quantities or (lambda args: {}), tier2,
+                   plain.arrangements if tier2 is not None else None)
 
 
 _elementwise = rows(lambda args: 8 * _last(args) if np.ndim(args[-1]) else 8)
@@ -144,11 +147,13 @@ OPS: dict[str, OpEntry] = {
         _entry("embed", error_models.exact_magnitude, embed),
         _entry("lm_head", error_models.lm_head, matrix, lambda args: {"capped": float(args[1] is not None)}),
         _entry("softmax", error_models.softmax, rows(lambda args: 4 * _last(args))),
-        _entry("causal_gqa", error_models.causal_gqa, attention),
-        _entry("sliding_gqa", error_models.sliding_gqa, attention),
-        _entry("decode_gqa", error_models.decode_gqa, decode),
+        _entry("causal_gqa", error_models.causal_gqa, attention, tier2=error_models.causal_gqa_in_accumulation),
+        _entry("sliding_gqa", error_models.sliding_gqa, attention, tier2=error_models.sliding_gqa_in_accumulation),
+        _entry("decode_gqa", error_models.decode_gqa, decode, tier2=error_models.decode_gqa_in_accumulation),
         _entry("sigmoid_gate", error_models.sigmoid_gate, _elementwise),
     )
 }
 
 assert set(OPS) == set(spec.OP_NAMES), "every op of the contract needs an entry"
+assert all((e.tier2 is not None) == (budget.budget(e.name, "float32").tier2 is not None) for e in OPS.values()), \
+    "an op has a second tier exactly where tolerances.yaml gives one"

@@ -5,16 +5,17 @@ as JSON and ``load`` reads one back, checking its schema.  The HTML page (``repo
 from documents only, so reports written on other machines, by other backends or by other versions of
 the suite can be merged into one page.
 
-Schema ``gemma4-conformance-report``, version 2
+Schema ``gemma4-conformance-report``, version 3
 ==============================================
 
 Top level (an object)::
 
     schema       "gemma4-conformance-report"
-    version      2 (an integer; a reader refuses versions it does not know).  Version 2 added
+    version      3 (an integer; a reader refuses versions it does not know).  Version 2 added
                  ``worst_ulps`` and ``forward[i].rerun``, made ``max_ulps`` the largest error of any
                  example (in version 1 it was the worst example's) and the histogram a fraction of
-                 each example's budget
+                 each example's budget.  Version 3 added ``results[i].informative``, the outcome
+                 "not established", and the second tier of attention's budgets
     environment  object: where and with what the run happened (below)
     results      array: one entry per backend x dtype x op that the run recorded (below)
     relations    array: one entry per backend x dtype x theorem of the spec checked (below)
@@ -52,20 +53,28 @@ means "not measured" (an op with no examples has no error statistics).
     op              the op's name in spec/contract.py
     outcome         "passed", "failed", "known deviation" (failed, and excused by a known-deviations
                     file), "errored" (the backend raised, or broke the contract: wrong shape or
-                    dtype), "unsupported" (the adapter lacks the op), or "not run"
+                    dtype), "not established" (no example failed, but too few were informative:
+                    properties/record.py MIN_INFORMATIVE), "unsupported" (the adapter lacks the op),
+                    or "not run"
     deviation       the known-deviation entry's reason when one covers this result, else ""
     examples        number of examples judged (an integer)
+    informative     how many of them were evidence: their allowance excluded every trivially wrong
+                    answer (zeros, the sign flipped; for attention also uniform weights and each query
+                    head zeroed), so a backend computing those would have failed (an integer)
     worst_ulps      the error of the worst example: the one with the least headroom, whose error is
                     the largest fraction of its budget (a budget depends on the example's dimensions,
                     so this need not be the largest error), in ULPs of the dtype at the op's scale
-                    (properties/error_models.py); null with no examples
-    budget_ulps     that example's budget, ULPs at the scale; null with no examples
+                    (properties/error_models.py), or at the second tier's scale where that tier had
+                    less headroom; null with no examples
+    budget_ulps     that example's budget, ULPs at the scale (the second tier's: its budget plus the
+                    factor times the plain arrangements' error on that example); null with no examples
     headroom        budget_ulps / worst_ulps: above 1 the op passed with that factor to spare, below 1
                     it failed by that factor; "inf" when every example was exact; null with no examples
     max_ulps        the largest error of any example, ULPs at the scale; null with no examples
     p99_ulps        the 99th percentile of the examples' largest errors, ULPs; null with no examples
     median_ulps     their median, ULPs; null with no examples
-    budget_formula  the budget's formula in properties/tolerances.yaml, e.g. "4.5 + 1.5 * fn"
+    budget_formula  the budget's formula in properties/tolerances.yaml, e.g. "3.5 + 1.5 * fn", and the
+                    second tier's where the op has one
     error_model     the error model the formula comes from, in words
     worst_case      the input case of the example with the least headroom (the JSON that
                     ``--case`` takes); for an "errored" op the case the backend broke on; or null
@@ -145,13 +154,13 @@ from gemma4_conformance.properties.record import reported
 from gemma4_conformance.spec import CONTRACT, fmt
 
 SCHEMA = "gemma4-conformance-report"
-VERSION = 2
+VERSION = 3
 HISTOGRAM_CAP = 500
-OUTCOMES = ("passed", "failed", "known deviation", "errored", "unsupported", "not run")
+OUTCOMES = ("passed", "failed", "known deviation", "errored", "not established", "unsupported", "not run")
 LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "ml_dtypes", "mpmath", "hypothesis")
 
 RESULT_FIELDS = {
-    "backend": str, "dtype": str, "op": str, "outcome": str, "examples": int, "worst_ulps": "number",
+    "backend": str, "dtype": str, "op": str, "outcome": str, "examples": int, "informative": int, "worst_ulps": "number",
     "budget_ulps": "number", "headroom": "number", "max_ulps": "number", "p99_ulps": "number", "median_ulps": "number",
     "budget_formula": str, "error_model": str, "worst_case": (dict, type(None)),
     "rerun": str, "message": str, "histogram": list, "deviation": str,
@@ -233,14 +242,16 @@ def result_entry(record, excused: dict | None = None) -> dict:
         "op": record.op,
         "outcome": reported(record.outcome, deviation),
         "examples": int(record.examples),
+        "informative": int(record.informative),
         "worst_ulps": encode(record.worst_ulps) if measured else None,
         "budget_ulps": encode(record.budget) if measured else None,
         "headroom": encode(record.headroom) if measured else None,
         "max_ulps": encode(record.max_ulps) if measured else None,
         "p99_ulps": encode(record.quantile(0.99)) if measured else None,
         "median_ulps": encode(record.quantile(0.5)) if measured else None,
-        "budget_formula": b.formula,
-        "error_model": b.model,
+        "budget_formula": b.formula + (f"; second tier {b.tier2.formula} + {b.factor:g} x the plain arrangements' error"
+                                       if b.tier2 else ""),
+        "error_model": b.model + (f" Second tier: {b.tier2.model}" if b.tier2 else ""),
         "worst_case": _jsonable(record.worst_case) if record.worst_case is not None else None,
         "rerun": record.worst_command,
         "message": record.message,

@@ -12,7 +12,9 @@ entries that matched nothing or no longer deviate), % conformant per backend and
 conformance matrix (ops x dtypes, backends side by side within a dtype; each cell the worst
 example's ULPs / its budget,
 coloured red failed, violet known deviation, orange passed with headroom under 1.5, green passed,
-grey unsupported), the spec's theorems (held or not, same layout), the passing ops closest to their
+blue not established (too few informative examples), grey unsupported; with the count of informative
+examples), the spec's theorems (held or not, same layout), the budget slack (per op and dtype, the
+budget over the worst error of the tightest passing backend), the passing ops closest to their
 budget with their rerun commands, the error histograms (one chart per backend x dtype, one panel per
 op, each example's error as a fraction of its budget), the full forward (per-layer relative error of
 candidate and baseline, log scale), and each document's environment.
@@ -44,8 +46,9 @@ from .data import dtype_rank, number, validate
 TEMPLATES = Path(__file__).with_name("templates")
 WARN_HEADROOM = 1.5  # a passing op with less headroom than this is shown orange
 CLOSEST_PER_COLUMN = 10  # passing ops listed per backend in "closest to budget"
-COLOURS = {"fail": "#e03131", "known": "#9c36b5", "warn": "#f08c00", "ok": "#2f9e44", "unsup": "#adb5bd",
-           "notrun": "#868e96", "none": "#dee2e6"}
+SLACK_NOTE = 100  # a budget this many times the largest error any passing backend showed is marked
+COLOURS = {"fail": "#e03131", "known": "#9c36b5", "warn": "#f08c00", "ok": "#2f9e44", "unest": "#1c7ed6",
+           "unsup": "#adb5bd", "notrun": "#868e96", "none": "#dee2e6"}
 _RC = {
     "svg.fonttype": "none",  # text stays text: small, searchable, no embedded glyph paths
     "svg.hashsalt": "gemma4-conformance",  # deterministic ids
@@ -83,13 +86,16 @@ def percent(passed: int, tested: int) -> str:
 
 
 def status(result: dict | None) -> str:
-    """The cell's colour class: fail, known (an excused failure), warn (headroom < 1.5), ok, unsup,
-    notrun, none (not tested). Theorems (no headroom) are ok, known, fail, unsup or notrun."""
+    """The cell's colour class: fail, known (an excused failure), warn (headroom < 1.5), ok, unest (not
+    established: too few informative examples), unsup, notrun, none (not tested). Theorems (no
+    headroom) are ok, known, fail, unsup or notrun."""
     if result is None:
         return "none"
     outcome, headroom = result["outcome"], number(result.get("headroom"))
     if outcome == "unsupported":
         return "unsup"
+    if outcome == "not established":
+        return "unest"
     if outcome == "known deviation":
         return "known"
     if outcome in ("failed", "errored") or (headroom is not None and headroom < 1):
@@ -337,9 +343,11 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
             unsupported = len(rs) - len(tested)
             total_passed, total_tested, total_unsupported = (total_passed + passed, total_tested + len(tested),
                                                              total_unsupported + unsupported)
+            unestablished = sum(status(r) == "unest" for r in tested)
             row.append({"percent": percent(passed, len(tested)), "passed": passed, "tested": len(tested),
                         "unsupported": unsupported,
-                        "cls": "none" if not tested else ("ok" if passed == len(tested) else "fail")})
+                        "cls": "none" if not tested else ("ok" if passed == len(tested) else
+                                                          "unest" if passed + unestablished == len(tested) else "fail")})
         conformance.append({"column": column_labels[c], "cells": row,
                             "total": {"percent": percent(total_passed, total_tested), "passed": total_passed,
                                       "tested": total_tested, "unsupported": total_unsupported,
@@ -357,7 +365,10 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         else:
             text = f"{fmt(r['worst_ulps'])} / {fmt(r['budget_ulps'])}"
         sub = "" if r["headroom"] is None else f"{fmt(r['headroom'])}x"
-        title = (f"{backend} {dtype} {op}: {r['outcome']}, {examples(r['examples'])}; worst example "
+        if r["examples"]:
+            sub += f" · {r['informative']}/{r['examples']} inf."
+        title = (f"{backend} {dtype} {op}: {r['outcome']}, {examples(r['examples'])} of which {r['informative']} "
+                 f"informative (their allowance excluded zeros, the sign flipped and the like); worst example "
                  f"{fmt(r['worst_ulps'])} ULPs against a budget of {fmt(r['budget_ulps'])} "
                  f"({r['budget_formula']}), headroom {fmt(r['headroom'])}; all examples: max "
                  f"{fmt(r['max_ulps'])}, p99 {fmt(r['p99_ulps'])}, median {fmt(r['median_ulps'])} ULPs")
@@ -379,6 +390,21 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                                 "title": f"{b} {dtype} forward: logits relative error {fmt(c)} "
                                          f"(baseline {fmt(base)}), top-1 agreement {fmt(f['top1_agreement'])}",
                                 "href": "#forward"})
+
+    # Budget slack: per op and dtype, the budget over the largest error any backend that passed showed.
+    slack = []
+    for op in ops:
+        row = []
+        for dtype in dtypes:
+            passing = [(number(r["headroom"]), column_labels[c]) for c, (i, b) in enumerate(columns)
+                       if (r := cells.get((i, b, dtype, op))) is not None and status(r) in ("ok", "warn")
+                       and number(r["headroom"]) is not None]
+            tightest = min(passing, default=None)
+            row.append({"text": fmt(tightest[0]) + "x" if tightest else "",
+                        "title": f"{op} {dtype}: the budget is {fmt(tightest[0])} times the worst error of "
+                                 f"{tightest[1]}, the tightest of {len(passing)} passing backend(s)" if tightest else "",
+                        "cls": "warn" if tightest and tightest[0] > SLACK_NOTE else ""})
+        slack.append({"op": op, "cells": row})
 
     # Passing ops closest to their budget, per column.
     closest = []
@@ -433,6 +459,8 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         "matrix": matrix,
         "forward_row": forward_row if forward_row and any(c["text"] for c in forward_row) else None,
         "closest": closest,
+        "slack": slack if any(c["text"] for row in slack for c in row["cells"]) else None,
+        "slack_note": fmt(SLACK_NOTE),
         "histograms": histograms,
         "forwards": forwards,
         "n_results": n_results,
