@@ -1,0 +1,37 @@
+"""The benchmark (benchmarks/split.py) on a tiny configuration, so that it keeps working: every
+oracle's throughput, a main job's time split and what its oracle checked, and the before/after table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.split import CATEGORY_TITLES, THROUGHPUT
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_split_benchmark_measures_oracles_and_a_main_job_and_compares_two_runs(tmp_path):
+    out = tmp_path / "run.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.split", "--backend=numpy", "--profile=ci", "--min-seconds=0",
+         "--max-work=1", f"--json={out}", "--", "--dtype=float32", "-k", "test_matches_oracle and (-rms] or -sigmoid])",
+         f"--report-html={tmp_path / 'report.html'}"],
+        cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert [row["label"] for row in run["oracles"]] == [label for label, *_ in THROUGHPUT]
+    assert all(row["rate"] > 0 for row in run["oracles"])
+    [job] = run["jobs"]
+    assert job["exit"] == 0 and abs(sum(job["seconds"].values()) - job["wall"]) < 1e-6 * job["wall"] + 1e-3
+    assert job["seconds"]["oracle"] > 0 and job["seconds"]["backend"] > 0 and job["seconds"]["report"] > 0
+    coverage = {(r["backend"], r["op"]): r for r in job["coverage"]}
+    assert set(coverage) == {("numpy", "rms"), ("numpy", "sigmoid")}
+    assert all(r["examples"] > 0 and 0 < r["checked"] <= r["outputs"] for r in coverage.values())
+    for title in CATEGORY_TITLES.values():
+        assert title in done.stdout
+    compared = subprocess.run([sys.executable, "-m", "benchmarks.split", "--compare", str(out), str(out)],
+                              cwd=ROOT, capture_output=True, text=True)
+    assert compared.returncode == 0 and "rms H=3840" in compared.stdout and "wall time" in compared.stdout
