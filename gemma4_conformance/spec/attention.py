@@ -5,11 +5,10 @@ head ``c``; ``pos [S]`` is the position of each query, and key ``l`` sits at pos
 """
 
 import numpy as np
-from mpmath import mp, mpf
-from mpmath.libmp import mpf_mul
+from mpmath import mp
 
 from .basic import sigmoid
-from .exact import dot, oracle
+from .exact import dots, oracle
 
 
 @oracle
@@ -36,7 +35,7 @@ def softmax(s, visible):
 
 
 def _gqa(scale, visible, q, k, v):
-    """The body shared by causalGQA and slidingGQA; ``visible(s, l)`` is the mask of query s.
+    """The body shared by causalGQA and slidingGQA; ``visible [S, L]`` is each query's mask.
 
     The logits are kept exact (exp of a rounded logit s would lose log2 |s| bits).
 
@@ -46,42 +45,36 @@ def _gqa(scale, visible, q, k, v):
           let logit : Fin L → ℝ := fun l => scale * ∑ e, q s c g e * k l c e
           ∑ l, softmax logit (visible s) l * v l c d
     """
-    S, Hkv, G, D = q.shape
-    L = k.shape[0]
     out = np.empty(q.shape, dtype=object)
-    for c in range(Hkv):
-        keys = [list(k[l, c]) for l in range(L)]
-        values = [list(v[:, c, d]) for d in range(D)]
-        for s in range(S):
-            mask = np.array([visible(s, l) for l in range(L)], dtype=bool)
-            for g in range(G):
-                query = list(q[s, c, g])
-                logit = np.array([mp.make_mpf(mpf_mul(mpf(scale)._mpf_, dot(query, keys[l], rounded=False)._mpf_))
-                                  for l in range(L)], dtype=object)
-                p = list(softmax(logit, mask))
-                for d in range(D):
-                    out[s, c, g, d] = dot(p, values[d])
+    for c in range(q.shape[1]):
+        logit = dots(q[:, c], k[:, c], scale=scale, rounded=False)  # [S, G, L]
+        out[:, c] = dots(softmax(logit, visible[:, None, :]), v[:, c].T)
     return out
 
 
-@oracle
+def _keys_and_positions(pos, k):
+    """Each key's position ``l`` as a row [1, L] and each query's ``pos s`` as a column [S, 1]."""
+    return np.arange(k.shape[0])[None, :], np.asarray(pos, dtype=np.int64)[:, None]
+
+
+@oracle(summed=("q", "k", "v"))
 def causal_gqa(scale, pos, q, k, v):
     """``causalGQA scale pos q k v``: key ``l`` is visible to query ``s`` when ``l ≤ pos s``."""
-    pos = [int(p) for p in np.asarray(pos)]
-    return _gqa(scale, lambda s, l: l <= pos[s], q, k, v)
+    l, p = _keys_and_positions(pos, k)
+    return _gqa(scale, l <= p, q, k, v)
 
 
-@oracle
+@oracle(summed=("q", "k", "v"))
 def sliding_gqa(scale, window, pos, q, k, v):
     """``slidingGQA scale window pos q k v``: query at position ``p`` sees keys ``l`` with ``p - w < l ≤ p``.
 
     The Lean mask is ``l.val ≤ pos s ∧ pos s < l.val + window``.
     """
-    pos = [int(p) for p in np.asarray(pos)]
-    return _gqa(scale, lambda s, l: l <= pos[s] and pos[s] < l + window, q, k, v)
+    l, p = _keys_and_positions(pos, k)
+    return _gqa(scale, (l <= p) & (p < l + window), q, k, v)
 
 
-@oracle
+@oracle(summed=("q", "k", "v"))
 def decode_gqa(scale, q, k, v):
     """``decodeGQA scale q k v := fun c g d => causalGQA (S := 1) scale (fun _ => L - 1) (fun _ => q) k v 0 c g d``"""
     L = k.shape[0]

@@ -1,8 +1,10 @@
-"""Exact inputs and the working precision of the oracles.
+"""Exact inputs, exact sums and the working precision of the oracles.
 
 Every floating input of any format under test is a dyadic rational that float64 holds exactly, so
 it becomes an mpf with no rounding.  The oracles then compute at the working precision (in bits),
-which defaults to well above float64 and is set with ``precision(bits)``.
+which defaults to well above float64 and is set with ``precision(bits)``.  Sums of products (dot
+products, matrix products, sums of squares) are exact and rounded once: ``dot`` defines them one at
+a time, ``dots`` and ``sums_of_squares`` compute many at once with integer matrix products.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from mpmath import mp, mpf
-from mpmath.libmp import mpf_mul, mpf_pos, mpf_sum
+from mpmath.libmp import from_man_exp, mpf_mul, mpf_pos, mpf_sum
+from threadpoolctl import ThreadpoolController
 
 DEFAULT_PRECISION = 128
 _precision = DEFAULT_PRECISION
@@ -58,31 +63,38 @@ def is_floating(x) -> bool:
 
 
 def widen(x):
-    """Floating arrays of any format under test as float64, which holds them exactly."""
-    return x.astype(np.float64) if is_floating(x) else x
+    """Floating arrays of any format under test as float64, which holds them exactly (no copy if they
+    are float64 already)."""
+    return x.astype(np.float64, copy=False) if is_floating(x) else x
 
 
 _depth = 0  # how many oracles are running: the outermost sets the precision, the others inherit it
 
 
-def oracle(fn: Callable) -> Callable:
+def oracle(fn: Callable | None = None, *, summed: tuple[str, ...] = ()) -> Callable:
     """Make ``fn`` an oracle: inputs taken exactly, body evaluated at the working precision.
+
+    ``@oracle(summed=("W", "x"))`` names the arguments the body reads only through exact sums
+    (``dots``): a floating array there reaches the body as float64, which holds it exactly, rather
+    than as an mpf per entry, so a weight matrix of the real model costs no more than its products.
 
     An oracle called from another runs at its caller's precision, so a composite can raise it for
     a part that needs guard bits (rope's angles).
     """
+    if fn is None:
+        return functools.partial(oracle, summed=summed)
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         global _depth
         bound = signature.bind(*args, **kwargs)
-        args = tuple(exact(a) for a in bound.args)
-        kwargs = {k: exact(v) for k, v in bound.kwargs.items()}
+        for name, value in bound.arguments.items():
+            bound.arguments[name] = widen(value) if name in summed else exact(value)
         with mp.workprec(_precision if _depth == 0 else mp.prec):
             _depth += 1
             try:
-                return fn(*args, **kwargs)
+                return fn(*bound.args, **bound.kwargs)
             finally:
                 _depth -= 1
 
@@ -106,6 +118,198 @@ def rowwise(f: Callable[[np.ndarray], object], x: np.ndarray) -> np.ndarray:
 def dot(a, b, rounded: bool = True) -> mpf:
     """sum_k a_k b_k, exactly (products and sum in integers), then rounded once to the working
     precision; ``rounded=False`` keeps the exact value.  (mpmath's fdot drops terms more than about
-    2p bits below the running sum, so it is not used.)"""
+    2p bits below the running sum, so it is not used.)  The definition that ``dots`` computes fast."""
     total = mpf_sum([mpf_mul(x._mpf_, y._mpf_) for x, y in zip(a, b)])
     return mp.make_mpf(mpf_pos(total, mp.prec, "n") if rounded else total)
+
+
+# Exact sums of products at the speed of integer matrix products ----------------------------------------
+#
+# Every entry is sign * man * 2^exp with an integer man, so a sum of products is an integer times a
+# power of two.  ``dots`` puts each operand on one binary grid (every entry an integer multiple of
+# 2^low), cuts those integers into bands of w bits, and multiplies every pair of bands as a float64
+# matrix product.  That product is exact whatever the order or blocking of its sums: its terms and
+# partial sums are integers below K * 2^(w_a + w_b) <= 2^53, all of which float64 holds.  The pairs'
+# results are then added as Python integers, each shifted into place, and rounded once.  (FLINT's
+# integer matrix product, python-flint's fmpz_mat, was measured too: making one fmpz per entry costs
+# 0.25 to 1.7 us, more than the whole product here, so a real weight matrix would take 20 s.)
+
+_CHUNK = 1 << 17  # entries of the second operand banded at once: a large weight goes through the cache
+
+
+_MANTISSA = (1 << 52) - 1
+
+
+@dataclass
+class _Grid:
+    """A 2-D array's entries as sign * magnitude * 2^low with integer magnitudes below 2^span (sign is
+    +-1.0): int64 where they fit, Python integers for mpf arrays, and for floating arrays that span
+    more than 62 bits, int64 mantissas ``man`` with their exponents ``shift`` on the grid instead."""
+
+    sign: np.ndarray
+    low: int
+    span: int
+    magnitude: np.ndarray | None = None
+    man: np.ndarray | None = None
+    shift: np.ndarray | None = None
+
+    def bands(self, width: int) -> list[tuple[int, np.ndarray]]:
+        """(offset, band) for the bands with a nonzero entry: the entries are the sum of
+        band * 2^(low + offset) over them, each band a float64 array of integers below 2^width."""
+        mask = (1 << width) - 1
+        out = []
+        for offset in range(0, self.span, width):
+            if self.magnitude is not None:
+                digit = self.magnitude >> offset
+                digit &= mask
+            else:  # the bits [offset, offset + width) of man * 2^shift, in int64 without overflow
+                shift = self.shift - offset
+                left = (self.man & ((1 << np.clip(width - shift, 0, 53)) - 1)) << np.clip(shift, 0, width)
+                digit = np.where(shift >= 0, left, (self.man >> np.clip(-shift, 0, 63)) & mask)
+            digit = digit.astype(np.float64)
+            if digit.any():
+                digit *= self.sign
+                out.append((offset, digit))
+        return out
+
+
+def _grid(x: np.ndarray) -> _Grid | None:
+    """The grid of a 2-D floating or mpf array; None if an entry is not finite."""
+    if x.dtype == object:
+        return _mpf_grid(x)
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    bits = x.view(np.int64)
+    field = (bits >> 52) & 0x7FF  # the biased exponent: 0 for zeros and subnormals
+    if field.max(initial=0) == 0x7FF:
+        return None
+    man = bits & _MANTISSA
+    man |= np.minimum(field, 1) << 52  # the implicit bit of normal numbers
+    # no finer than the entries need: the trailing zeros every mantissa has (bf16's 45) go to the grid
+    common = int(np.bitwise_or.reduce(man, axis=None))
+    sign = np.copysign(1.0, x)
+    if common == 0:
+        return _Grid(sign, 0, 0, magnitude=man)
+    trailing = (common & -common).bit_length() - 1
+    if trailing:
+        man >>= trailing
+    exp = np.maximum(field, 1)  # entry = man * 2^(exp + trailing - 1075)
+    low = int(np.where(man != 0, exp, 2047).min())
+    span = int(exp.max()) - low + 53 - trailing  # normal mantissas have 53 - trailing bits, subnormal fewer
+    exp -= low
+    if span <= 62:
+        return _Grid(sign, low + trailing - 1075, span, magnitude=man << exp)
+    return _Grid(sign, low + trailing - 1075, span, man=man, shift=exp)
+
+
+def _mpf_grid(x: np.ndarray) -> _Grid | None:
+    parts = [v._mpf_ if isinstance(v, mpf) else mpf(v)._mpf_ for v in x.ravel()]
+    if any(man == 0 and exp != 0 for _, man, exp, _ in parts):  # inf or nan
+        return None
+    nonzero = [p for p in parts if p[1]]
+    if not nonzero:
+        return _Grid(np.ones(x.shape), 0, 0, magnitude=np.zeros(x.shape, dtype=np.int64))
+    low = min(exp for _, _, exp, _ in nonzero)  # mpmath's mantissas are odd: already no finer than needed
+    span = max(exp + size for _, _, exp, size in nonzero) - low
+    magnitude = np.array([int(man) << (exp - low) if man else 0 for _, man, exp, _ in parts], dtype=object)
+    sign = np.array([-1.0 if negative else 1.0 for negative, _, _, _ in parts])
+    return _Grid(sign.reshape(x.shape), low, span, magnitude=magnitude.reshape(x.shape))
+
+
+def _widths(K: int, a: _Grid, b: _Grid, pair_cost: float) -> tuple[int, int]:
+    """Band widths with K * 2^(w_a + w_b) <= 2^53 that make the work least: cutting each operand into
+    its bands (a dozen array passes per band) against a product per pair of bands."""
+    budget = 53 - max(K - 1, 0).bit_length()
+    if budget < 2:
+        raise ValueError(f"exact sums of {K} terms need a float64 grid of at least 2 bits")
+
+    def work(w_a):
+        n_a, n_b = -(-a.span // w_a), -(-b.span // (budget - w_a))
+        return 8 * (n_a * a.sign.size + n_b * b.sign.size) + n_a * n_b * pair_cost
+
+    w_a = min(range(1, budget), key=work)
+    return w_a, budget - w_a
+
+
+def _sums(a: _Grid, b: _Grid, K: int, product: Callable, outputs: int) -> np.ndarray:
+    """sum over band pairs of product(band_a, band_b) * 2^(offsets), exactly, as Python integers (the
+    grids' 2^(low_a + low_b) left out)."""
+    total = np.zeros(outputs, dtype=object)
+    if a.span == 0 or b.span == 0:  # an operand of zeros
+        return total
+    w_a, w_b = _widths(K, a, b, pair_cost=outputs * K / 4)
+    bands_b = b.bands(w_b)
+    for offset_a, band_a in a.bands(w_a):
+        for offset_b, band_b in bands_b:
+            part = product(band_a, band_b).reshape(-1).astype(np.int64).astype(object)
+            total += part << (offset_a + offset_b)
+    return total
+
+
+@functools.cache
+def _blas() -> ThreadpoolController:
+    return ThreadpoolController()
+
+
+def _one_blas_thread():
+    """The products are small and many: BLAS threads would only contend (with each other, with
+    pytest-xdist's workers, with whatever else the machine runs)."""
+    return _blas().limit(limits=1, user_api="blas")
+
+
+def _from_integers(total: np.ndarray, exponent: int, rounded: bool) -> np.ndarray:
+    prec = mp.prec
+    if rounded:
+        return np.frompyfunc(lambda m: mp.make_mpf(from_man_exp(m, exponent, prec, "n")), 1, 1)(total)
+    return np.frompyfunc(lambda m: mp.make_mpf(from_man_exp(m, exponent)), 1, 1)(total)
+
+
+def dots(a: np.ndarray, b: np.ndarray, scale=None, rounded: bool = True) -> np.ndarray:
+    """``scale * sum_k a[..., k] * b[n, k]`` for every row of ``a [..., K]`` and row ``n`` of ``b [N, K]``
+    (-> ``[..., N]``): exact, then rounded once to the working precision, bit for bit ``dot``'s value;
+    ``rounded=False`` keeps the exact values.  Entries are floating (taken exactly) or mpf; ``scale``
+    is None or an exact number (an input of the op)."""
+    K, N = a.shape[-1], b.shape[0]
+    rows = a.reshape(math.prod(a.shape[:-1]), K)
+    factor = (mpf(1) if scale is None else mpf(scale))._mpf_
+    A = _grid(rows)
+    out = np.empty((rows.shape[0], N), dtype=object)
+    step = max(1, _CHUNK // max(K, 1))
+    with _one_blas_thread():
+        for start in range(0, N, step):
+            _dots_block(rows, b[start:start + step], A, factor, rounded, out[:, start:start + step])
+    return out.reshape(a.shape[:-1] + (N,))
+
+
+def _dots_block(rows, block, A, factor, rounded, out) -> None:
+    """``dots`` against a block of b's rows, into ``out``."""
+    B = _grid(block) if A is not None else None
+    if B is None or factor[1] == 0 and factor[2] != 0:  # an inf or nan: the definition, term by term
+        out[...] = _dots_by_definition(rows, block, factor, rounded)
+        return
+    total = _sums(A, B, rows.shape[1], lambda x, y: x @ y.T, rows.shape[0] * block.shape[0])
+    total = total * ((-1) ** factor[0] * int(factor[1]))
+    out[...] = _from_integers(total, A.low + B.low + factor[2], rounded).reshape(out.shape)
+
+
+def _dots_by_definition(rows, block, factor, rounded) -> np.ndarray:
+    rows, block = exact(rows) if rows.dtype != object else rows, exact(block) if block.dtype != object else block
+    out = np.empty((rows.shape[0], block.shape[0]), dtype=object)
+    for t, row in enumerate(rows):
+        for n, col in enumerate(block):
+            value = mpf_mul(factor, dot(list(row), list(col), rounded=False)._mpf_)
+            out[t, n] = mp.make_mpf(mpf_pos(value, mp.prec, "n") if rounded else value)
+    return out
+
+
+def sums_of_squares(x: np.ndarray) -> np.ndarray:
+    """``sum_k x[..., k]^2`` for every row of ``x [..., K]`` (-> ``[...]``): exact, then rounded once to
+    the working precision, bit for bit ``dot(row, row)``."""
+    K = x.shape[-1]
+    rows = x.reshape(math.prod(x.shape[:-1]), K)
+    X = _grid(rows)
+    if X is None:  # an inf or nan: the definition, term by term
+        rows = exact(rows) if rows.dtype != object else rows
+        return rowwise(lambda row: dot(row, row), rows).reshape(x.shape[:-1])
+    with _one_blas_thread():
+        total = _sums(X, X, K, lambda u, v: np.einsum("rk,rk->r", u, v), rows.shape[0])
+    return _from_integers(total, 2 * X.low, True).reshape(x.shape[:-1])

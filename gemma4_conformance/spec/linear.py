@@ -3,23 +3,16 @@
 import numpy as np
 
 from .basic import gelu_tanh, silu, softcap
-from .exact import dot, oracle
+from .exact import dots, oracle
 
 
-@oracle
+@oracle(summed=("W", "x"))
 def linear(W, x):
     """``linear W x := fun t n => ∑ k, x t k * W n k``: ``W [N, K]``, ``x [..., K]`` -> ``[..., N]``."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = np.empty((rows.shape[0], W.shape[0]), dtype=object)
-    W_rows = [list(w) for w in W]
-    for t, row in enumerate(rows):
-        row = list(row)
-        for n, w in enumerate(W_rows):
-            out[t, n] = dot(row, w)
-    return out.reshape(x.shape[:-1] + (W.shape[0],))
+    return dots(x, W)
 
 
-@oracle
+@oracle(summed=("Wg", "Wu", "x"))
 def gate_up(Wg, Wu, x):
     """``gateUp Wg Wu x := fun t n => if n < I then linear Wg x t n else linear Wu x t (n - I)``"""
     return np.concatenate([linear(Wg, x), linear(Wu, x)], axis=-1)
@@ -51,7 +44,7 @@ def embed(c, E, tokens):
     return c * E[np.asarray(tokens)]
 
 
-@oracle
+@oracle(summed=("W", "x"))
 def lm_head(mul, cap, W, x):
     """``lmHead mul cap W x``: ``W [V, H]``, ``x [..., H]`` -> ``[..., V]``.
 

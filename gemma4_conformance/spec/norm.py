@@ -1,9 +1,15 @@
 """Norm.lean: normalisations over the last axis; rows are the leading axes (the Lean index type ι)."""
 
+import numpy as np
 from mpmath import mp
 
 from .basic import silu
-from .exact import dot, oracle, rowwise
+from .exact import elementwise, oracle, sums_of_squares
+
+
+def _per_row(f, x):
+    """``f`` of each row's exact sum of squares ``∑ j, x t j ^ 2``: an array of shape ``x.shape[:-1]``."""
+    return np.asarray(elementwise(f, sums_of_squares(x)), dtype=object)
 
 
 @oracle
@@ -13,7 +19,7 @@ def rms(eps, x):
     ``x [..., H]`` -> ``[...]``.
     """
     H = x.shape[-1]
-    return rowwise(lambda row: mp.sqrt(dot(row, row) / H + eps), x)
+    return _per_row(lambda squares: mp.sqrt(squares / H + eps), x)
 
 
 @oracle
@@ -43,4 +49,4 @@ def rmsnorm_gated(eps, x, z, w):
 @oracle
 def l2norm(eps, x):
     """``l2norm eps x := fun t h => x t h / Real.sqrt (∑ j, x t j ^ 2 + eps)``"""
-    return x / rowwise(lambda row: mp.sqrt(dot(row, row) + eps), x)[..., None]
+    return x / _per_row(lambda squares: mp.sqrt(squares + eps), x)[..., None]
