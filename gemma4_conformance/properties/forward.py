@@ -1,9 +1,9 @@
 """The full forward: a backend's run of the whole model against a certified reference and a plain baseline.
 
 * The *reference* is the spec's graph (spec.model.forward) run with the numpy ops in float64, and
-  *certified* as it runs: every op call has a sample of its outputs recomputed by the mpmath oracle
-  from the same inputs, and must lie within that op's float64 budget. So the reference is known to
-  the precision its error model states, not assumed, at a small fraction of a pure mpmath forward.
+  *certified* as it runs: every output of every op call is recomputed by the oracle from the same
+  inputs (on the 12B geometry, a sample of the largest calls' outputs), and must lie within that op's
+  float64 budget. So the reference is known to the precision its error model states, not assumed.
 * The *candidate* is the backend's own ``forward(weights, config, tokens, dtype)`` when it has one,
   else the same graph run with its ops in the dtype under test.
 * The *baseline* is the graph run with the suite's numpy ops in the dtype, rounding to it at every
@@ -26,6 +26,7 @@ from gemma4_conformance.spec import fmt
 from gemma4_conformance.spec.model import forward
 
 from .harness import assess, call
+from .table import ORACLE_WORK
 
 # How much worse than a plain same-dtype implementation a candidate may be.  Two correct
 # implementations' errors are independent random walks of similar size: on the generated 48-layer
@@ -34,7 +35,9 @@ from .harness import assess, call
 # by 10 x or more.  3 separates the two with room on both sides.
 FACTOR = 3.0
 FLOOR = 8  # unit roundoffs of the dtype: below that, errors are a handful of final roundings
-CERTIFY_WORK = 20_000  # oracle multiply-adds per certified op call
+# Oracle work per certified op call (element operations, see table.py): every output of every call of
+# the generated model; the 12B geometry's largest calls are sampled.
+CERTIFY_WORK = ORACLE_WORK // 10
 
 
 class AdapterOps:
@@ -56,9 +59,12 @@ class AdapterOps:
 
 @dataclass
 class Certificate:
-    """How the reference's op calls compared with the oracle: calls checked, worst error/budget, failures."""
+    """How the reference's op calls compared with the oracle: calls checked, output elements checked of
+    those made, worst error/budget, failures."""
 
     calls: int = 0
+    checked: int = 0
+    outputs: int = 0
     worst: float = 0.0
     worst_op: str = ""
     failures: list[str] = field(default_factory=list)
@@ -66,6 +72,8 @@ class Certificate:
     def __call__(self, node, op, args, out):
         verdict = assess(op, args, out, "float64", seed=self.calls, work=CERTIFY_WORK)
         self.calls += 1
+        self.checked += verdict.checked
+        self.outputs += out.size
         ratio = verdict.max_error / verdict.budget
         if ratio > self.worst:
             self.worst, self.worst_op = ratio, op

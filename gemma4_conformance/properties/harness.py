@@ -80,6 +80,7 @@ class Verdict:
     failures: list[str] = field(default_factory=list)
     tier2: Tier2 | None = None
     admitted: list[str] = field(default_factory=list)  # trivially wrong answers the allowance admits
+    checked: int = 0  # output elements compared with the oracle (all, unless the op's sampler drew some)
 
     @property
     def max_error(self) -> float:
@@ -103,14 +104,15 @@ class Verdict:
 
 
 def judge(adapter, op: str, case: dict, dtype: str, seed: int = 0) -> Verdict:
-    """Run ``case`` on the backend and compare a sample of its output with the oracle (the whole output
-    where the case asks for it with ``"work"``, its oracle work in multiply-adds)."""
+    """Run ``case`` on the backend and compare its output (or the sampler's part of it) with the oracle
+    (a case may set its own oracle work with ``"work"``, in table.py's element operations)."""
     args = build(op, case, dtype)
     return assess(op, args, call(adapter, op, args, dtype), dtype, seed, case.get("work", ORACLE_WORK))
 
 
 def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, work: int = ORACLE_WORK) -> Verdict:
-    """Compare a sample of ``out``, an implementation's result for ``op`` on ``args``, with the oracle."""
+    """Compare ``out``, an implementation's result for ``op`` on ``args``, with the oracle: all of it,
+    or the part the op's sampler draws when the whole would cost more than ``work``."""
     entry = OPS[op]
     sub_args, index = entry.sample(op, args, np.random.default_rng(seed), work)
     got = np.asarray(out[index])
@@ -186,7 +188,7 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     admitted = [name for name, answer in trivial_answers(op, sub_args, exact64).items()
                 if tier1_admits(answer) and (tier2_admits is None or tier2_admits(answer))]
     finite_ulps = ulps[np.isfinite(ulps)]
-    return Verdict(op, dtype, allowed, finite_ulps.ravel(), failures, tier2, admitted)
+    return Verdict(op, dtype, allowed, finite_ulps.ravel(), failures, tier2, admitted, checked=got.size)
 
 
 def trivial_answers(op: str, args: tuple, exact: np.ndarray) -> dict[str, np.ndarray]:

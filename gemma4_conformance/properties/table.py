@@ -2,10 +2,16 @@
 
 An entry ties an op to its oracle (spec), its input strategy (strategies.cases), its error model's
 scale (error_models), its budget (tolerances.yaml) and its *sampler*, which picks the output
-coordinates the oracle computes when the full output would be slow: the oracle runs at about two
-million multiply-adds a second, so large outputs are checked on a drawn subset of rows, columns,
-queries or heads, small ones in full.  Adding an op is adding an entry here, a case strategy and a
-budget.
+coordinates the oracle computes.  Every drawn example, every real-size example and every op call
+of the generated model's forward is checked on its whole output: a sampler draws a subset (of rows,
+output features, queries or KV heads) only when the whole would cost more than ``work``, which
+happens for the 12B geometry's forward and for large ``--case`` inputs.
+
+What an oracle costs is counted in *element operations* of about a microsecond or two each: one
+mpmath operation at the working precision, or judging one output element (rounding the exact
+result twice, its error and the error model's scale).  Exact sums cost far less: they are integer
+matrix products (spec.exact.dots), a fiftieth of an element operation per weight.  Adding an op is
+adding an entry here, a case strategy and a budget.
 """
 
 from __future__ import annotations
@@ -19,22 +25,25 @@ from gemma4_conformance import spec
 
 from . import budget, error_models, plain
 
-# The oracle work an example may cost, in multiply-adds (about 0.05 s of mpmath).
-ORACLE_WORK = 100_000
+# The oracle work one example may cost, in element operations: the largest real-size example (a
+# 15360 x 3840 weight, or 4096 keys at 16 query heads) whole, about two seconds.
+ORACLE_WORK = 2_000_000
+WEIGHT = 1 / 50  # element operations per weight of an exact product
+JUDGE = 4  # per output element: the oracle's own arithmetic and judging it
 
 
 def _pick(rng, n: int, keep: int) -> np.ndarray:
     return np.sort(rng.choice(n, size=min(n, max(1, keep)), replace=False))
 
 
-def rows(per_row: Callable[[tuple], int]):
+def rows(per_row: Callable[[tuple], float]):
     """Sample rows (the leading axes flattened) of a row-wise op whose arguments share them."""
 
     def sample(op, args, rng, work=ORACLE_WORK):
         contract = spec.CONTRACT[op]
         _, lead = contract.bind(*args)
         n = int(np.prod(lead, dtype=np.int64))
-        keep = _pick(rng, n, work // max(1, per_row(args)))
+        keep = _pick(rng, n, int(work // max(1, per_row(args))))
         if len(keep) == n:
             return args, (Ellipsis,)
         sub = []
@@ -54,14 +63,17 @@ def _last(args):
 
 
 def matrix(op, args, rng, work=ORACLE_WORK):
-    """linear, lm_head and gate_up: a subset of rows of x and of output features n."""
+    """linear, lm_head and gate_up: a subset of output features n (each costs its K weights and an
+    output per row of x) and then, if even one feature is too much, of the rows of x."""
     *head, x = args
     weights = [i for i, a in enumerate(head) if isinstance(a, np.ndarray)]
     N, K = head[weights[0]].shape
     lead = x.shape[:-1]
     n_rows = int(np.prod(lead, dtype=np.int64))
-    keep_rows = _pick(rng, n_rows, max(1, work // (K * min(N, 8))))
-    keep_n = _pick(rng, N, max(1, work // (K * len(keep_rows) * len(weights))))
+    keep_n = _pick(rng, N, int(work // (len(weights) * (K * WEIGHT + JUDGE * n_rows))))
+    if len(keep_n) == N:
+        return args, (Ellipsis,)
+    keep_rows = _pick(rng, n_rows, int(work // (len(weights) * len(keep_n) * JUDGE)))
     sub = list(head)
     for i in weights:
         sub[i] = head[i][keep_n]
@@ -75,13 +87,20 @@ def matrix(op, args, rng, work=ORACLE_WORK):
     return tuple(sub), index
 
 
+def _per_query_head(L, D):
+    """One query head against L keys: an exp and a share of the softmax per key, D outputs."""
+    return JUDGE * (L + D)
+
+
 def attention(op, args, rng, work=ORACLE_WORK):
     """causal and sliding GQA: a subset of queries and KV heads (each query keeps its position)."""
     *head, pos, q, k, v = args
     S, Hkv, G, D = q.shape
     L = k.shape[0]
-    keep_s = _pick(rng, S, work // (2 * L * D * G * Hkv) or 1)
-    keep_c = _pick(rng, Hkv, work // (2 * L * D * G * len(keep_s)) or 1)
+    keep_s = _pick(rng, S, int(work // (Hkv * G * _per_query_head(L, D))))
+    keep_c = _pick(rng, Hkv, int(work // (len(keep_s) * G * _per_query_head(L, D))))
+    if len(keep_s) == S and len(keep_c) == Hkv:
+        return args, (Ellipsis,)
     sub = (*head, np.asarray(pos)[keep_s], q[keep_s][:, keep_c], k[:, keep_c], v[:, keep_c])
     return sub, np.ix_(keep_s, keep_c, np.arange(G), np.arange(D))
 
@@ -90,13 +109,17 @@ def decode(op, args, rng, work=ORACLE_WORK):
     scale, q, k, v = args
     Hkv, G, D = q.shape
     L = k.shape[0]
-    keep_c = _pick(rng, Hkv, work // (2 * L * D * G) or 1)
+    keep_c = _pick(rng, Hkv, int(work // (G * _per_query_head(L, D))))
+    if len(keep_c) == Hkv:
+        return args, (Ellipsis,)
     return (scale, q[keep_c], k[:, keep_c], v[:, keep_c]), np.ix_(keep_c, np.arange(G), np.arange(D))
 
 
 def embed(op, args, rng, work=ORACLE_WORK):
     c, E, tokens = args
-    keep = _pick(rng, len(tokens), work // E.shape[1])
+    keep = _pick(rng, len(tokens), int(work // (JUDGE * E.shape[1])))
+    if len(keep) == len(tokens):
+        return args, (Ellipsis,)
     return (c, E, np.asarray(tokens)[keep]), (keep,)
 
 
@@ -120,8 +143,9 @@ def _entry(name, scale, sample, quantities=None, tier2=None):
                    plain.arrangements if tier2 is not None else None)
 
 
-_elementwise = rows(lambda args: 8 * _last(args) if np.ndim(args[-1]) else 8)
-_norm = rows(lambda args: 4 * _last(args))
+_elementwise = rows(lambda args: JUDGE * (_last(args) if np.ndim(args[-1]) else 1))
+_norm = rows(lambda args: JUDGE * _last(args))
+_rope = rows(lambda args: 3 * JUDGE * _last(args))  # a cos and a sin at the angle's guard precision
 
 OPS: dict[str, OpEntry] = {
     e.name: e
@@ -137,8 +161,8 @@ OPS: dict[str, OpEntry] = {
         _entry("rmsnorm_gated", error_models.rmsnorm_gated, _norm),
         _entry("l2norm", error_models.l2norm, _norm),
         _entry("inv_freq", error_models.inv_freq, whole),
-        _entry("rope", error_models.rope, rows(lambda args: 40 * _last(args))),
-        _entry("rope_std", error_models.rope, rows(lambda args: 40 * _last(args))),
+        _entry("rope", error_models.rope, _rope),
+        _entry("rope_std", error_models.rope, _rope),
         _entry("linear", error_models.inner_products, matrix),
         _entry("gate_up", error_models.inner_products, matrix),
         _entry("silu_mul", error_models.silu_mul, _elementwise),
@@ -146,7 +170,7 @@ OPS: dict[str, OpEntry] = {
         _entry("residual", error_models.residual, _elementwise),
         _entry("embed", error_models.exact_magnitude, embed),
         _entry("lm_head", error_models.lm_head, matrix, lambda args: {"capped": float(args[1] is not None)}),
-        _entry("softmax", error_models.softmax, rows(lambda args: 4 * _last(args))),
+        _entry("softmax", error_models.softmax, _norm),
         _entry("causal_gqa", error_models.causal_gqa, attention, tier2=error_models.causal_gqa_in_accumulation),
         _entry("sliding_gqa", error_models.sliding_gqa, attention, tier2=error_models.sliding_gqa_in_accumulation),
         _entry("decode_gqa", error_models.decode_gqa, decode, tier2=error_models.decode_gqa_in_accumulation),
