@@ -7,6 +7,7 @@ from hypothesis import currently_in_test_context, given, target
 from hypothesis import strategies as st
 
 from .harness import ContractViolation, Unsupported, judge, rerun_command
+from .real_size import real_size_cases
 from .record import MIN_INFORMATIVE
 from .strategies import cases, edge_cases
 
@@ -37,7 +38,7 @@ def test_matches_oracle(request, backend, adapter, dtype, op):
     if case is not None:
         check(request, backend, adapter, dtype, op, case)
     else:
-        for edge in edge_cases(op):  # checked in every profile, before any drawn example
+        for edge in edge_cases(op) + real_size_cases(op):  # checked in every profile, before any drawn example
             check(request, backend, adapter, dtype, op, edge)
 
         @given(st.data())

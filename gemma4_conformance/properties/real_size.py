@@ -1,0 +1,90 @@
+"""Examples at the real model's dimensions, checked in every run before any drawn example.
+
+Drawn examples stay small so that Hypothesis can draw and shrink many of them, but kernels choose
+their algorithm by size: split-K and blocked reductions at K = 3840 and 15360, tiled and online-
+softmax attention over 4096 keys, a vocabulary processed in chunks.  So every accumulating op also
+meets Gemma 4 12B's own geometry (read from its config, fixtures/gemma-4-12B/config.json) once per
+backend and dtype, with the oracle checking every output element:
+
+* linear: the gate/up projection's shape (K = 3840, N = 15360) and the down projection's (K = 15360);
+* gate_up: both halves at K = 3840 over a slice of the intermediate width (4096 of its 15360);
+* lm_head: a chunk of the tied vocabulary at K = 3840, with the final softcap;
+* rms and the norms: rows of the hidden width 3840;
+* softmax: rows of 4096 logits;
+* causal_gqa: 4096 keys at the full layers' geometry (1 KV head, G = 16, D = 512);
+  sliding_gqa: 4096 keys at the sliding layers' (8 KV heads, G = 2, D = 256, window 1024);
+  decode_gqa: 4096 keys at both.
+
+Values are normal at a unit scale (a sum of 15360 products stays far inside float16's range), and q
+and k at 2^-3 per coordinate, so that the logits' rounding in every dtype stays well inside the
+region where attention is well posed (strategies._attention), with the model's scale 1.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from gemma4_conformance.fixtures.config import TextConfig
+from gemma4_conformance.fixtures.generate import real_config
+from gemma4_conformance.spec import CONTRACT
+
+from .strategies import LONG_SUM
+
+KEYS = LONG_SUM  # 4096 keys: a long context the oracle affords in every dtype
+VOCAB_CHUNK = 4096  # rows of the tied embedding in one LM-head example
+GATE_UP_SLICE = 4096  # of the intermediate width, for gate_up (linear meets the whole 15360)
+NORMS = ("rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm")
+
+
+@cache
+def geometry() -> TextConfig:
+    return TextConfig.from_dict(real_config(), source="fixtures/gemma-4-12B/config.json")
+
+
+def _normal(shape, seed, log2=0):
+    return {"shape": list(shape), "dist": "normal", "log2": log2, "seed": seed}
+
+
+def _attention(op, layer, S=2, seed=10):
+    """q, k and v of one layer's geometry over KEYS keys; prefill queries at the last positions."""
+    config = geometry()
+    Hkv, D = layer.kv_heads, layer.head_dim
+    G = config.num_heads // Hkv
+    args = {"scale": 1.0, "k": _normal([KEYS, Hkv, D], seed + 1, -3), "v": _normal([KEYS, Hkv, D], seed + 2)}
+    if op == "decode_gqa":
+        args["q"] = _normal([Hkv, G, D], seed, -3)
+    else:
+        args |= {"pos": list(range(KEYS - S, KEYS)), "q": _normal([S, Hkv, G, D], seed, -3)}
+    if op == "sliding_gqa":
+        args["window"] = layer.window
+    return {"args": {name: args[name] for name in CONTRACT[op].arg_names}}
+
+
+def real_size_cases(op: str) -> list[dict]:
+    """The cases at the real model's dimensions for ``op`` (none for the ops that do not accumulate)."""
+    config = geometry()
+    H, I = config.hidden_size, config.intermediate_size
+    full = next(layer for layer in config.layers if layer.kind == "full")
+    sliding = next(layer for layer in config.layers if layer.kind == "sliding")
+    if op == "linear":
+        return [{"args": {"W": _normal([I, H], 1), "x": _normal([1, H], 2)}, "cancel": None},
+                {"args": {"W": _normal([H, I], 3), "x": _normal([1, I], 4)}, "cancel": None}]
+    if op == "gate_up":
+        return [{"args": {"Wg": _normal([GATE_UP_SLICE, H], 5), "Wu": _normal([GATE_UP_SLICE, H], 6),
+                          "x": _normal([1, H], 7)}, "cancel": None}]
+    if op == "lm_head":
+        return [{"args": {"mul": 1.0, "cap": config.final_softcap, "W": _normal([VOCAB_CHUNK, H], 8),
+                          "x": _normal([2, H], 9)}, "cancel": None}]
+    if op in NORMS:
+        shapes = {"x": [2, H], "z": [2, H], "w": [H]}
+        floats = [a.name for a in CONTRACT[op].args if a.kind == "float"]
+        return [{"args": {"eps": config.eps, **{n: _normal(shapes[n], 20 + i) for i, n in enumerate(floats)}}}]
+    if op == "softmax":
+        return [{"args": {"s": _normal([2, KEYS], 30, 2), "visible": {"pattern": "all", "seed": 0}}, "offset": 0.0}]
+    if op == "causal_gqa":
+        return [_attention(op, full)]
+    if op == "sliding_gqa":
+        return [_attention(op, sliding)]
+    if op == "decode_gqa":
+        return [_attention(op, full), _attention(op, sliding, seed=40)]
+    return []
