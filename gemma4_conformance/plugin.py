@@ -237,9 +237,44 @@ def write_reports(config) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if getattr(session.config, "conformance_collected", 0):
-        write_reports(session.config)
-    session.exitstatus = exit_status(session.config, exitstatus)
+    config = session.config
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller merges, reports and decides
+        config.workeroutput[WORKER_OUTPUT] = json.dumps(_worker_results(config))
+        return
+    if getattr(config, "conformance_collected", 0):
+        write_reports(config)
+    session.exitstatus = exit_status(config, exitstatus)
+
+
+# pytest-xdist (pytest -n N): each worker runs some of the tests and sends what it recorded to the
+# controller, which merges it, so the summary, the reports and the exit status cover every test.
+WORKER_OUTPUT = "gemma4_conformance"
+
+
+def _worker_results(config) -> dict:
+    deviations = [{"matched": e.matched, "excused": e.excused, "passed": e.passed}
+                  for e in config.conformance_deviations.entries]
+    return {"collected": getattr(config, "conformance_collected", 0), "recorder": config.conformance_recorder.export(),
+            "deviations": deviations}
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown to pytest without it
+def pytest_testnodedown(node, error):
+    """An xdist worker finished (or died): merge its results; a worker lost is a run that broke."""
+    config = node.config
+    output = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT)
+    if output is not None:
+        results = json.loads(output)
+        config.conformance_collected = max(getattr(config, "conformance_collected", 0), results["collected"])
+        config.conformance_recorder.merge(results["recorder"])
+        for entry, state in zip(config.conformance_deviations.entries, results["deviations"]):
+            entry.matched[:] = state["matched"]  # every worker collects every test, in the same order
+            entry.excused.extend(state["excused"])
+            entry.passed.extend(state["passed"])
+    if error is not None:
+        worker = getattr(node, "gateway", None)
+        config.conformance_recorder.problems.append(
+            Problem(f"pytest-xdist worker {getattr(worker, 'id', '?')}", "worker", f"the worker went down: {error}"))
 
 
 @pytest.hookimpl(trylast=True)

@@ -3,7 +3,7 @@ per backend x dtype x relation the outcome; the forward verdicts; what was excus
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -114,6 +114,33 @@ class Recorder:
         if key not in self.relations:
             self.relations[key] = RelationRecord(backend, dtype, name, ops)
         return self.relations[key]
+
+    def export(self) -> dict:
+        """Everything recorded, as plain data: what a pytest-xdist worker sends to the controller."""
+        return {"records": [asdict(r) for r in self.records.values()],
+                "relations": [asdict(r) for r in self.relations.values()],
+                "forward": [[backend, dtype, asdict(v)] for (backend, dtype), v in self.forward.items()],
+                "excused": [[*key, reason] for key, reason in self.excused.items()],
+                "problems": [asdict(p) for p in self.problems]}
+
+    def merge(self, data: dict) -> None:
+        """Add what another process recorded (``export``'s data): each test runs in one worker, so the
+        tests' records do not overlap."""
+        from .forward import ForwardVerdict  # forward imports the harness, which needs this module
+
+        for r in data["records"]:
+            record = OpRecord(**r)
+            self.records[record.backend, record.dtype, record.op] = record
+        for r in data["relations"]:
+            record = RelationRecord(**{**r, "ops": tuple(r["ops"])})
+            self.relations[record.backend, record.dtype, record.relation] = record
+        for backend, dtype, v in data["forward"]:
+            self.forward[backend, dtype] = ForwardVerdict(**{**v, "layers": [tuple(e) for e in v["layers"]],
+                                                              "logits": tuple(v["logits"]),
+                                                              "logprob_gap": tuple(v["logprob_gap"])})
+        for backend, dtype, subject, reason in data["excused"]:
+            self.excused[backend, dtype, subject] = reason
+        self.problems.extend(Problem(**p) for p in data["problems"])
 
     def outcome(self, backend: str, dtype: str, subject: str, outcome: str) -> str:
         return reported(outcome, self.excused.get((backend, dtype, subject), ""))
