@@ -13,6 +13,7 @@ import contextlib
 import functools
 import inspect
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -130,28 +131,27 @@ def dot(a, b, rounded: bool = True) -> mpf:
 # 2^low), cuts those integers into bands of w bits, and multiplies every pair of bands as a float64
 # matrix product.  That product is exact whatever the order or blocking of its sums: its terms and
 # partial sums are integers below K * 2^(w_a + w_b) <= 2^53, all of which float64 holds.  The pairs'
-# results are then added as Python integers, each shifted into place, and rounded once.  (FLINT's
-# integer matrix product, python-flint's fmpz_mat, was measured too: making one fmpz per entry costs
-# 0.25 to 1.7 us, more than the whole product here, so a real weight matrix would take 20 s.)
+# results are then added as Python integers, each shifted into place, and rounded once.  An mpf
+# operand (a softmax's weights at 128 bits) is the sum of grids of its mantissas' 53-bit limbs.
+# (FLINT's integer matrix product, python-flint's fmpz_mat, was measured too: making one fmpz per
+# entry costs 0.25 to 1.7 us, more than the whole product here, so a real weight would take 20 s.)
 
 _CHUNK = 1 << 17  # entries of the second operand banded at once: a large weight goes through the cache
-
-
+_LIMB = 53  # bits of a mantissa that an int64 grid takes, and float64 converts exactly
 _MANTISSA = (1 << 52) - 1
 
 
 @dataclass
 class _Grid:
-    """A 2-D array's entries as sign * magnitude * 2^low with integer magnitudes below 2^span (sign is
-    +-1.0): int64 where they fit, Python integers for mpf arrays, and for floating arrays that span
-    more than 62 bits, int64 mantissas ``man`` with their exponents ``shift`` on the grid instead."""
+    """A 2-D array's entries as sign * man * 2^(low + shift), man an int64 below 2^53 and sign +-1.0;
+    every entry is below 2^(low + span) in magnitude.  ``magnitude`` is man * 2^shift when it fits."""
 
     sign: np.ndarray
+    man: np.ndarray
+    shift: np.ndarray
     low: int
     span: int
     magnitude: np.ndarray | None = None
-    man: np.ndarray | None = None
-    shift: np.ndarray | None = None
 
     def bands(self, width: int) -> list[tuple[int, np.ndarray]]:
         """(offset, band) for the bands with a nonzero entry: the entries are the sum of
@@ -164,7 +164,7 @@ class _Grid:
                 digit &= mask
             else:  # the bits [offset, offset + width) of man * 2^shift, in int64 without overflow
                 shift = self.shift - offset
-                left = (self.man & ((1 << np.clip(width - shift, 0, 53)) - 1)) << np.clip(shift, 0, width)
+                left = (self.man & ((1 << np.clip(width - shift, 0, _LIMB)) - 1)) << np.clip(shift, 0, width)
                 digit = np.where(shift >= 0, left, (self.man >> np.clip(-shift, 0, 63)) & mask)
             digit = digit.astype(np.float64)
             if digit.any():
@@ -173,10 +173,32 @@ class _Grid:
         return out
 
 
-def _grid(x: np.ndarray) -> _Grid | None:
-    """The grid of a 2-D floating or mpf array; None if an entry is not finite."""
+def _grid(sign: np.ndarray, man: np.ndarray, exp: np.ndarray, size: np.ndarray | None = None) -> _Grid | None:
+    """The grid of entries sign * man * 2^exp (int64 man below 2^53, ``size`` its bit length when
+    known); None when every entry is zero."""
+    common = int(np.bitwise_or.reduce(man, axis=None))
+    if common == 0:
+        return None
+    # no finer than the entries need: the trailing zeros every mantissa has (bf16's 45) go to the grid
+    trailing = (common & -common).bit_length() - 1
+    if trailing:
+        man = man >> trailing
+        exp = exp + trailing
+        size = None if size is None else size - trailing
+    if size is None:
+        size = np.frexp(man.astype(np.float64))[1]  # man < 2^53 converts exactly: its bit length
+    nonzero = man != 0
+    low = int(exp[nonzero].min())
+    shift = exp - low
+    span = int((shift + size)[nonzero].max())
+    magnitude = man << np.where(nonzero, shift, 0) if span <= 62 else None
+    return _Grid(sign, man, shift, low, span, magnitude)
+
+
+def _grids(x: np.ndarray) -> list[_Grid] | None:
+    """A 2-D floating or mpf array as a sum of grids (none for zeros); None if an entry is not finite."""
     if x.dtype == object:
-        return _mpf_grid(x)
+        return _mpf_grids(x)
     x = np.ascontiguousarray(x, dtype=np.float64)
     bits = x.view(np.int64)
     field = (bits >> 52) & 0x7FF  # the biased exponent: 0 for zeros and subnormals
@@ -184,40 +206,30 @@ def _grid(x: np.ndarray) -> _Grid | None:
         return None
     man = bits & _MANTISSA
     man |= np.minimum(field, 1) << 52  # the implicit bit of normal numbers
-    # no finer than the entries need: the trailing zeros every mantissa has (bf16's 45) go to the grid
-    common = int(np.bitwise_or.reduce(man, axis=None))
-    sign = np.copysign(1.0, x)
-    if common == 0:
-        return _Grid(sign, 0, 0, magnitude=man)
-    trailing = (common & -common).bit_length() - 1
-    if trailing:
-        man >>= trailing
-    exp = np.maximum(field, 1)  # entry = man * 2^(exp + trailing - 1075)
-    low = int(np.where(man != 0, exp, 2047).min())
-    span = int(exp.max()) - low + 53 - trailing  # normal mantissas have 53 - trailing bits, subnormal fewer
-    exp -= low
-    if span <= 62:
-        return _Grid(sign, low + trailing - 1075, span, magnitude=man << exp)
-    return _Grid(sign, low + trailing - 1075, span, man=man, shift=exp)
+    size = np.where(field > 0, _LIMB, 0) if field.min(initial=1) > 0 else None  # subnormals: not known
+    grid = _grid(np.copysign(1.0, x), man, np.maximum(field, 1) - 1075, size)
+    return [grid] if grid is not None else []
 
 
-def _mpf_grid(x: np.ndarray) -> _Grid | None:
+def _mpf_grids(x: np.ndarray) -> list[_Grid] | None:
     parts = [v._mpf_ if isinstance(v, mpf) else mpf(v)._mpf_ for v in x.ravel()]
     if any(man == 0 and exp != 0 for _, man, exp, _ in parts):  # inf or nan
         return None
-    nonzero = [p for p in parts if p[1]]
-    if not nonzero:
-        return _Grid(np.ones(x.shape), 0, 0, magnitude=np.zeros(x.shape, dtype=np.int64))
-    low = min(exp for _, _, exp, _ in nonzero)  # mpmath's mantissas are odd: already no finer than needed
-    span = max(exp + size for _, _, exp, size in nonzero) - low
-    magnitude = np.array([int(man) << (exp - low) if man else 0 for _, man, exp, _ in parts], dtype=object)
-    sign = np.array([-1.0 if negative else 1.0 for negative, _, _, _ in parts])
-    return _Grid(sign.reshape(x.shape), low, span, magnitude=magnitude.reshape(x.shape))
+    sign = np.array([-1.0 if negative else 1.0 for negative, _, _, _ in parts]).reshape(x.shape)
+    exp = np.array([e for _, _, e, _ in parts], dtype=np.int64).reshape(x.shape)
+    limbs = -(-max((size for *_, size in parts), default=0) // _LIMB)
+    grids = []
+    for j in range(limbs):
+        man = np.array([int(m >> (_LIMB * j)) & ((1 << _LIMB) - 1) for _, m, _, _ in parts], dtype=np.int64)
+        grid = _grid(sign, man.reshape(x.shape), exp + _LIMB * j)
+        if grid is not None:
+            grids.append(grid)
+    return grids
 
 
 def _widths(K: int, a: _Grid, b: _Grid, pair_cost: float) -> tuple[int, int]:
     """Band widths with K * 2^(w_a + w_b) <= 2^53 that make the work least: cutting each operand into
-    its bands (a dozen array passes per band) against a product per pair of bands."""
+    its bands (several array passes per band) against a product per pair of bands."""
     budget = 53 - max(K - 1, 0).bit_length()
     if budget < 2:
         raise ValueError(f"exact sums of {K} terms need a float64 grid of at least 2 bits")
@@ -230,19 +242,30 @@ def _widths(K: int, a: _Grid, b: _Grid, pair_cost: float) -> tuple[int, int]:
     return w_a, budget - w_a
 
 
-def _sums(a: _Grid, b: _Grid, K: int, product: Callable, outputs: int) -> np.ndarray:
-    """sum over band pairs of product(band_a, band_b) * 2^(offsets), exactly, as Python integers (the
-    grids' 2^(low_a + low_b) left out)."""
+def _sums(A: list[_Grid], B: list[_Grid], K: int, product: Callable, outputs: int) -> tuple[np.ndarray, int]:
+    """The sum over pairs of grids and their pairs of bands of product(band_a, band_b), each shifted
+    into place, exactly: Python integers, and the exponent of their unit."""
     total = np.zeros(outputs, dtype=object)
-    if a.span == 0 or b.span == 0:  # an operand of zeros
-        return total
-    w_a, w_b = _widths(K, a, b, pair_cost=outputs * K / 4)
-    bands_b = b.bands(w_b)
-    for offset_a, band_a in a.bands(w_a):
-        for offset_b, band_b in bands_b:
-            part = product(band_a, band_b).reshape(-1).astype(np.int64).astype(object)
-            total += part << (offset_a + offset_b)
-    return total
+    if not A or not B:  # an operand of zeros
+        return total, 0
+    unit = min(a.low for a in A) + min(b.low for b in B)
+    partial: dict[int, np.ndarray] = {}  # products at one shift add exactly in int64: each is below 2^53
+    count: Counter = Counter()
+    for a in A:
+        for b in B:
+            w_a, w_b = _widths(K, a, b, pair_cost=outputs * K / 4)
+            bands_b = b.bands(w_b)
+            for offset_a, band_a in a.bands(w_a):
+                for offset_b, band_b in bands_b:
+                    shift = a.low + b.low - unit + offset_a + offset_b
+                    if count[shift] == 1 << 10:  # 2^10 of them: move them to Python integers
+                        total += partial.pop(shift).astype(object) << shift
+                        count[shift] = 0
+                    partial[shift] = partial.get(shift, 0) + product(band_a, band_b).reshape(-1).astype(np.int64)
+                    count[shift] += 1
+    for shift, part in partial.items():
+        total += part.astype(object) << shift
+    return total, unit
 
 
 @functools.cache
@@ -271,7 +294,7 @@ def dots(a: np.ndarray, b: np.ndarray, scale=None, rounded: bool = True) -> np.n
     K, N = a.shape[-1], b.shape[0]
     rows = a.reshape(math.prod(a.shape[:-1]), K)
     factor = (mpf(1) if scale is None else mpf(scale))._mpf_
-    A = _grid(rows)
+    A = _grids(rows)
     out = np.empty((rows.shape[0], N), dtype=object)
     step = max(1, _CHUNK // max(K, 1))
     with _one_blas_thread():
@@ -282,13 +305,13 @@ def dots(a: np.ndarray, b: np.ndarray, scale=None, rounded: bool = True) -> np.n
 
 def _dots_block(rows, block, A, factor, rounded, out) -> None:
     """``dots`` against a block of b's rows, into ``out``."""
-    B = _grid(block) if A is not None else None
+    B = _grids(block) if A is not None else None
     if B is None or factor[1] == 0 and factor[2] != 0:  # an inf or nan: the definition, term by term
         out[...] = _dots_by_definition(rows, block, factor, rounded)
         return
-    total = _sums(A, B, rows.shape[1], lambda x, y: x @ y.T, rows.shape[0] * block.shape[0])
+    total, unit = _sums(A, B, rows.shape[1], lambda x, y: x @ y.T, rows.shape[0] * block.shape[0])
     total = total * ((-1) ** factor[0] * int(factor[1]))
-    out[...] = _from_integers(total, A.low + B.low + factor[2], rounded).reshape(out.shape)
+    out[...] = _from_integers(total, unit + factor[2], rounded).reshape(out.shape)
 
 
 def _dots_by_definition(rows, block, factor, rounded) -> np.ndarray:
@@ -306,10 +329,10 @@ def sums_of_squares(x: np.ndarray) -> np.ndarray:
     the working precision, bit for bit ``dot(row, row)``."""
     K = x.shape[-1]
     rows = x.reshape(math.prod(x.shape[:-1]), K)
-    X = _grid(rows)
+    X = _grids(rows)
     if X is None:  # an inf or nan: the definition, term by term
         rows = exact(rows) if rows.dtype != object else rows
         return rowwise(lambda row: dot(row, row), rows).reshape(x.shape[:-1])
     with _one_blas_thread():
-        total = _sums(X, X, K, lambda u, v: np.einsum("rk,rk->r", u, v), rows.shape[0])
-    return _from_integers(total, 2 * X.low, True).reshape(x.shape[:-1])
+        total, unit = _sums(X, X, K, lambda u, v: np.einsum("rk,rk->r", u, v), rows.shape[0])
+    return _from_integers(total, unit, True).reshape(x.shape[:-1])
