@@ -45,6 +45,8 @@ def _gqa(scale, visible, q, k, v):
           let logit : Fin L → ℝ := fun l => scale * ∑ e, q s c g e * k l c e
           ∑ l, softmax logit (visible s) l * v l c d
     """
+    seen = visible.any(axis=0)  # a key no query sees has weight 0 in every sum: leave it out
+    k, v, visible = k[seen], v[seen], visible[:, seen]
     out = np.empty(q.shape, dtype=object)
     for c in range(q.shape[1]):
         logit = dots(q[:, c], k[:, c], scale=scale, rounded=False)  # [S, G, L]

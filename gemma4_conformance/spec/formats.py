@@ -8,12 +8,13 @@ the target with round-to-nearest-even on the integer significand, so there is ex
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-from mpmath import mp, mpf
+from mpmath import mpf
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Format:
     bits: int  # storage width
     uint: type  # unsigned integer type of the same width, for bit patterns
 
-    @property
+    @functools.cached_property  # read for every value rounded
     def max_finite(self) -> float:
         return math.ldexp(2**self.precision - 1, self.emax - self.precision + 1)
 
@@ -67,11 +68,9 @@ def _round_scalar(x, f: Format) -> float:
     if isinstance(x, float) and x == 0:
         return x  # a float zero keeps its sign (mpf has no -0)
     x = mpf(x) if not isinstance(x, mpf) else x
-    if x == 0:
-        return 0.0
-    if not mp.isfinite(x):
-        return float(x)
     sign, man, exp, bc = x._mpf_  # |x| = man * 2^exp, man has bc bits
+    if not man:  # zero, or inf or nan (a zero mantissa with an exponent)
+        return float(x) if exp else 0.0
     e = exp + bc - 1  # floor(log2 |x|)
     if e < f.emin - f.precision:  # below half the smallest subnormal: a signed zero
         return -0.0 if sign else 0.0
