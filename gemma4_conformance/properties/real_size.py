@@ -6,14 +6,18 @@ softmax attention over 4096 keys, a vocabulary processed in chunks.  So every ac
 meets Gemma 4 12B's own geometry (read from its config, fixtures/gemma-4-12B/config.json) once per
 backend and dtype, with the oracle checking every output element:
 
-* linear: the gate/up projection's shape (K = 3840, N = 15360) and the down projection's (K = 15360);
-* gate_up: both halves at K = 3840 over a slice of the intermediate width (4096 of its 15360);
-* lm_head: a chunk of the tied vocabulary at K = 3840, with the final softcap;
+* linear: a sliding layer's query projection (K = 3840, N = 4096) and 1024 rows of the down
+  projection (K = 15360);
+* gate_up: both halves at K = 3840, over 2048 of the intermediate width's 15360 rows;
+* lm_head: a chunk of 2048 rows of the tied vocabulary at K = 3840, with the final softcap;
 * rms and the norms: rows of the hidden width 3840;
 * softmax: rows of 4096 logits;
-* causal_gqa: 4096 keys at the full layers' geometry (1 KV head, G = 16, D = 512);
-  sliding_gqa: 4096 keys at the sliding layers' (8 KV heads, G = 2, D = 256, window 1024);
-  decode_gqa: 4096 keys at both.
+* causal_gqa and decode_gqa: 4096 keys at the full layers' geometry (1 KV head, G = 16, D = 512);
+  sliding_gqa: 4096 keys at the sliding layers' (8 KV heads, G = 2, D = 256, window 1024).
+
+Output widths stay at a few thousand: the oracle checks every output, but building the inputs and the
+error model cost about 0.1 us a weight in each dtype and backend, and accumulation depth, not width,
+is what a kernel's size-dependent path changes.
 
 Values are normal at a unit scale (a sum of 15360 products stays far inside float16's range), and q
 and k at 2^-3 per coordinate, so that the logits' rounding in every dtype stays well inside the
@@ -31,8 +35,10 @@ from gemma4_conformance.spec import CONTRACT
 from .strategies import LONG_SUM
 
 KEYS = LONG_SUM  # 4096 keys: a long context the oracle affords in every dtype
-VOCAB_CHUNK = 4096  # rows of the tied embedding in one LM-head example
-GATE_UP_SLICE = 4096  # of the intermediate width, for gate_up (linear meets the whole 15360)
+QUERY_ROWS = 4096  # a sliding layer's query projection: 16 heads of 256
+DOWN_ROWS = 1024  # of the down projection's 3840
+GATE_UP_ROWS = 2048  # of the intermediate width's 15360
+VOCAB_CHUNK = 2048  # rows of the tied embedding in one LM-head example
 NORMS = ("rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm")
 
 
@@ -45,8 +51,8 @@ def _normal(shape, seed, log2=0):
     return {"shape": list(shape), "dist": "normal", "log2": log2, "seed": seed}
 
 
-def _attention(op, layer, S=2, seed=10):
-    """q, k and v of one layer's geometry over KEYS keys; prefill queries at the last positions."""
+def _attention(op, layer, seed=10):
+    """q, k and v of one layer's geometry over KEYS keys; two prefill queries, in the middle and at the end."""
     config = geometry()
     Hkv, D = layer.kv_heads, layer.head_dim
     G = config.num_heads // Hkv
@@ -54,7 +60,7 @@ def _attention(op, layer, S=2, seed=10):
     if op == "decode_gqa":
         args["q"] = _normal([Hkv, G, D], seed, -3)
     else:
-        args |= {"pos": list(range(KEYS - S, KEYS)), "q": _normal([S, Hkv, G, D], seed, -3)}
+        args |= {"pos": [KEYS // 2 - 1, KEYS - 1], "q": _normal([2, Hkv, G, D], seed, -3)}
     if op == "sliding_gqa":
         args["window"] = layer.window
     return {"args": {name: args[name] for name in CONTRACT[op].arg_names}}
@@ -67,11 +73,11 @@ def real_size_cases(op: str) -> list[dict]:
     full = next(layer for layer in config.layers if layer.kind == "full")
     sliding = next(layer for layer in config.layers if layer.kind == "sliding")
     if op == "linear":
-        return [{"args": {"W": _normal([I, H], 1), "x": _normal([1, H], 2)}, "cancel": None},
-                {"args": {"W": _normal([H, I], 3), "x": _normal([1, I], 4)}, "cancel": None}]
+        return [{"args": {"W": _normal([QUERY_ROWS, H], 1), "x": _normal([2, H], 2)}, "cancel": None},
+                {"args": {"W": _normal([DOWN_ROWS, I], 3), "x": _normal([2, I], 4)}, "cancel": None}]
     if op == "gate_up":
-        return [{"args": {"Wg": _normal([GATE_UP_SLICE, H], 5), "Wu": _normal([GATE_UP_SLICE, H], 6),
-                          "x": _normal([1, H], 7)}, "cancel": None}]
+        return [{"args": {"Wg": _normal([GATE_UP_ROWS, H], 5), "Wu": _normal([GATE_UP_ROWS, H], 6),
+                          "x": _normal([2, H], 7)}, "cancel": None}]
     if op == "lm_head":
         return [{"args": {"mul": 1.0, "cap": config.final_softcap, "W": _normal([VOCAB_CHUNK, H], 8),
                           "x": _normal([2, H], 9)}, "cancel": None}]
@@ -86,5 +92,5 @@ def real_size_cases(op: str) -> list[dict]:
     if op == "sliding_gqa":
         return [_attention(op, sliding)]
     if op == "decode_gqa":
-        return [_attention(op, full), _attention(op, sliding, seed=40)]
+        return [_attention(op, full)]
     return []
