@@ -30,7 +30,6 @@ import json
 import math
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -160,17 +159,20 @@ def oracle_throughput(dtype: str, min_seconds: float, max_work: float) -> list[d
 # 2. The main job's split ------------------------------------------------------------------------------
 
 class Clock:
-    """Wall time charged to the innermost category running (a category inside another pauses it)."""
+    """Wall and CPU time charged to the innermost category running (a category inside another pauses
+    it). On a machine shared with other work the wall time stretches; the CPU time much less."""
 
     def __init__(self):
         self.seconds: Counter = Counter()
+        self.cpu: Counter = Counter()
         self.stack: list[str] = []
-        self.mark = time.perf_counter()
+        self.mark = time.perf_counter(), time.process_time()
 
     def _charge(self):
-        now = time.perf_counter()
+        now = time.perf_counter(), time.process_time()
         if self.stack:
-            self.seconds[self.stack[-1]] += now - self.mark
+            self.seconds[self.stack[-1]] += now[0] - self.mark[0]
+            self.cpu[self.stack[-1]] += now[1] - self.mark[1]
         self.mark = now
 
     @contextlib.contextmanager
@@ -296,22 +298,18 @@ class Profiler:
         plugin.write_reports = self._timed("report", plugin.write_reports)
 
 
-def cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def main_job(pytest_args: list[str]) -> dict:
     profiler = Profiler()
     profiler.install()
-    wall, cpu = time.perf_counter(), cpu_seconds()
+    wall, cpu = time.perf_counter(), time.process_time()
     status = pytest.main(list(pytest_args), plugins=[profiler])  # pytest adds its addopts to the list
-    wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
-    seconds = dict(profiler.clock.seconds)
-    seconds["pytest and startup"] = seconds.get("pytest and startup", 0.0) + wall - sum(seconds.values())
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall_split, cpu_split = dict(profiler.clock.seconds), dict(profiler.clock.cpu)
+    wall_split["pytest and startup"] = wall_split.get("pytest and startup", 0.0) + wall - sum(wall_split.values())
+    cpu_split["pytest and startup"] = cpu_split.get("pytest and startup", 0.0) + cpu - sum(cpu_split.values())
     coverage = [{"backend": b, "dtype": d, "op": op, **v} for (b, d, op), v in sorted(profiler.coverage.items())]
-    return {"args": pytest_args, "exit": int(status), "wall": wall, "cpu": cpu, "seconds": seconds,
-            "coverage": coverage, "certified": profiler.certified}
+    return {"args": pytest_args, "exit": int(status), "wall": wall, "cpu": cpu, "seconds": wall_split,
+            "cpu_seconds": cpu_split, "coverage": coverage, "certified": profiler.certified}
 
 
 def _main_job_in_a_process(where: Path, backend: str, profile: str, extra: list[str]) -> dict:
@@ -326,9 +324,11 @@ def _main_job_in_a_process(where: Path, backend: str, profile: str, extra: list[
 def print_split(result: dict) -> None:
     print(f"\nmain job: pytest {' '.join(result['args'])}: exit {result['exit']}, wall {result['wall']:.1f} s, "
           f"CPU {result['cpu']:.1f} s")
+    print(f"  {'':<58} {'wall':>8}   {'share':>6} {'CPU':>8}   {'share':>6}")
     for category in ORACLE_CATEGORIES:
-        s = result["seconds"].get(category, 0.0)
-        print(f"  {CATEGORY_TITLES[category]:<58} {s:>8.1f} s {s / result['wall']:>6.1%}")
+        s, c = result["seconds"].get(category, 0.0), result.get("cpu_seconds", {}).get(category, 0.0)
+        print(f"  {CATEGORY_TITLES[category]:<58} {s:>8.1f} s {s / result['wall']:>6.1%} {c:>8.1f} s "
+              f"{c / max(result['cpu'], 1e-9):>6.1%}")
     totals = defaultdict(lambda: Counter())
     print("\noutput elements the oracle checked, per backend and op (all dtypes):")
     print(f"  {'backend':<8} {'op':<15} {'examples':>8} {'checked':>12} {'of outputs':>12} {'share':>7}")
@@ -363,17 +363,20 @@ def compare(before_path: str, after_path: str) -> None:
                       f"{row['rate'] / b['rate']:>7.0f}x")
     for b, a in zip(before.get("jobs", []), after.get("jobs", [])):
         print(f"\nmain job: pytest {' '.join(a['args'])} (before: exit {b['exit']}, after: exit {a['exit']})")
-        print(f"  {'':<58} {'before':>9} {'after':>9} {'ratio':>7}")
-        for label, x, y in [("wall time (s)", b["wall"], a["wall"]), ("CPU time (s)", b["cpu"], a["cpu"]),
-                            *((CATEGORY_TITLES[c], b["seconds"].get(c, 0.0), a["seconds"].get(c, 0.0))
-                              for c in ORACLE_CATEGORIES)]:
-            print(f"  {label:<58} {x:>9.1f} {y:>9.1f} {y / x if x else float('nan'):>7.2f}")
+        print(f"  {'':<64} {'before':>9} {'after':>9} {'ratio':>7}")
+        rows = [("wall time (s)", b["wall"], a["wall"]), ("CPU time (s)", b["cpu"], a["cpu"])]
+        rows += [(f"{CATEGORY_TITLES[c]}, wall", b["seconds"].get(c, 0.0), a["seconds"].get(c, 0.0))
+                 for c in ORACLE_CATEGORIES]
+        rows += [(f"{CATEGORY_TITLES[c]}, CPU", b.get("cpu_seconds", {}).get(c, 0.0),
+                  a.get("cpu_seconds", {}).get(c, 0.0)) for c in ORACLE_CATEGORIES]
+        for label, x, y in rows:
+            print(f"  {label:<64} {x:>9.1f} {y:>9.1f} {y / x if x else float('nan'):>7.2f}")
         for label, key in (("examples judged", "examples"), ("output elements checked", "checked"),
                            ("output elements made", "outputs")):
             x, y = (sum(r[key] for r in job["coverage"]) for job in (b, a))
-            print(f"  {label:<58} {x:>9} {y:>9} {y / x if x else float('nan'):>7.2f}")
+            print(f"  {label:<64} {x:>9} {y:>9} {y / x if x else float('nan'):>7.2f}")
         x, y = b["certified"], a["certified"]
-        print(f"  {'forward certification: outputs checked':<58} {x['checked']:>9} {y['checked']:>9} "
+        print(f"  {'forward certification: outputs checked':<64} {x['checked']:>9} {y['checked']:>9} "
               f"{y['checked'] / max(x['checked'], 1):>7.2f}")
 
 
