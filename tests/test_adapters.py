@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gemma4_conformance import adapters
-from gemma4_conformance.adapters import AdapterError, load, parse
+from gemma4_conformance.adapters import AdapterError, DeviceError, load, parse
 from gemma4_conformance.plugin import _backend_specs
 
 
@@ -68,3 +68,23 @@ def test_a_builtin_whose_library_is_missing_says_how_to_install_it(monkeypatch):
 
 def test_backend_lists_split_on_commas_outside_options():
     assert _backend_specs("numpy, x:Y[a=1,b=2],torch") == ["numpy", "x:Y[a=1,b=2]", "torch"]
+
+
+def test_load_passes_the_device_to_a_factory_that_takes_one_unless_its_spec_names_one():
+    assert adapters.load("tests.test_adapters:Placed", device="cuda:1").device == "cuda:1"
+    assert adapters.load("tests.test_adapters:Placed[device=mps]", device="cuda:1").device == "mps"
+    assert adapters.load("tests.test_adapters:Placed").device == "cpu"
+    assert adapters.load("tests.test_adapters:Tunable", device="cuda:1").name == "tunable-plain-64"  # takes none
+    with pytest.raises(DeviceError, match=r"^backend 'tests.test_adapters:Placed\[device=moon\]': no moon here"):
+        adapters.load("tests.test_adapters:Placed[device=moon]")
+
+
+class Placed:
+    """A factory that takes a device, as the built-in torch and jax backends do."""
+
+    dtypes = ("float32",)
+
+    def __init__(self, device="cpu"):
+        if device == "moon":
+            raise DeviceError("no moon here")
+        self.device, self.name = device, "placed"

@@ -12,7 +12,10 @@ An adapter is any object with:
   also takes ``dtype=`` (the dtype name).
 
 An op the adapter lacks is *unsupported*: the suite skips it and says so.  A module is a fine adapter
-(see ``numpy_backend.py``).
+(see ``numpy_backend.py``).  Optionally, ``device`` names where its ops run (``"cpu"``, ``"cuda:0"``) and
+``environment()`` returns a JSON-able dict of that device and the math modes in force (the report
+shows both per backend); ``transfer_seconds``, a running total of the seconds spent moving arrays to
+and from the device, lets the suite split the backend's time.
 
 ``load(spec)`` resolves, in order: a built-in name (``numpy``, ``torch``, ``jax``); a name registered
 by an installed package under the entry-point group ``gemma4_conformance.adapters``; or a module
@@ -23,6 +26,11 @@ A spec may end in options for the factory, ``name[key=value,...]`` (``torch-sdpa
 passed to the class or factory as a keyword argument whose value is the string after ``=``; the factory
 checks them and names the adapter after them, so that two settings of one engine are told apart in a
 run and in its report.  An adapter object or a module takes no options.
+
+``load(spec, device=...)`` passes the run's device (``--device``) to a class or factory that has a
+``device`` parameter, unless the spec gives its own ``device=`` option; the factory raises
+``DeviceError`` for a device it cannot use or that is not there, saying what it found.  Other adapters
+run where they run (the numpy backend on the CPU).
 """
 
 from __future__ import annotations
@@ -38,8 +46,10 @@ from gemma4_conformance.spec import FORMATS
 # the extra of this package that installs it).
 BUILTINS = {
     "numpy": ("gemma4_conformance.adapters.numpy_backend", "numpy", ""),
-    "torch": ("gemma4_conformance.adapters.torch_backend", "torch", "torch"),
-    "jax": ("gemma4_conformance.adapters.jax_backend", "jax", "jax"),
+    "torch": ("gemma4_conformance.adapters.torch_backend:backend", "torch", "torch"),
+    "torch-sdpa": ("gemma4_conformance.adapters.torch_sdpa:backend", "torch", "torch"),
+    "jax": ("gemma4_conformance.adapters.jax_backend:backend", "jax", "jax"),
+    "jax-sdpa": ("gemma4_conformance.adapters.jax_sdpa:backend", "jax", "jax"),
 }
 ENTRY_POINT_GROUP = "gemma4_conformance.adapters"
 DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -47,6 +57,10 @@ DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 class AdapterError(Exception):
     """An adapter could not be found, imported or built, or does not meet the contract."""
+
+
+class DeviceError(AdapterError):
+    """A device that is not there, or that the backend cannot use; the message names it and what was found."""
 
 
 def _resolve(spec: str):
@@ -103,8 +117,9 @@ def _is_factory(obj) -> bool:
     return inspect.isclass(obj) or (callable(obj) and not inspect.ismodule(obj) and not hasattr(obj, "dtypes"))
 
 
-def load(spec: str):
-    """The adapter named by ``spec`` (see the module docstring), checked for ``name`` and ``dtypes``."""
+def load(spec: str, device: str | None = None):
+    """The adapter named by ``spec`` (see the module docstring), checked for ``name`` and ``dtypes``;
+    ``device`` goes to a factory with a ``device`` parameter whose spec does not set one."""
     name, options = parse(spec)
     try:
         obj = _resolve(name)
@@ -115,6 +130,8 @@ def load(spec: str):
     if options and not _is_factory(obj):
         raise AdapterError(f"backend {spec!r}: {name!r} is an adapter object or module, which takes no options")
     if _is_factory(obj):
+        if device is not None and "device" not in options and _takes_device(obj):
+            options = {**options, "device": device}
         try:
             signature = inspect.signature(obj)
             signature.bind(**options)
@@ -125,6 +142,8 @@ def load(spec: str):
             pass
         try:
             obj = obj(**options)
+        except DeviceError as e:
+            raise DeviceError(f"backend {spec!r}: {e}") from None
         except Exception as e:
             raise AdapterError(f"backend {spec!r}: building the adapter failed: {type(e).__name__}: {e}") from e
     for attribute in ("name", "dtypes"):
@@ -134,6 +153,13 @@ def load(spec: str):
     if unknown:
         raise AdapterError(f"backend {spec!r} declares unknown dtypes {sorted(unknown)}; known: {list(DTYPES)}")
     return obj
+
+
+def _takes_device(factory) -> bool:
+    try:
+        return "device" in inspect.signature(factory).parameters
+    except ValueError:  # no signature (a builtin): it cannot be told
+        return False
 
 
 def _options(signature: inspect.Signature) -> str:

@@ -1,4 +1,4 @@
-"""The JAX backend: each op computed the way a Flax/MaxText Gemma computes it.
+"""The JAX backend: each op computed the way a Flax/MaxText Gemma computes it, on any JAX device.
 
 * Elementwise ops (activations, softcap, residual, embedding scale, gates) run in the dtype under
   test, with Python scalars weakly typed so they take that dtype; GELU is evaluated in float32 and
@@ -6,32 +6,44 @@
 * Norms upcast to float32, normalise with ``rsqrt``, apply the weight in float32 and cast back.
 * RoPE builds inverse frequencies and angles in float32, casts cos/sin to the dtype and rotates in it.
 * Matmuls (linear, gate/up, LM head, both attention einsums) take dtype inputs and accumulate in
-  float32 (``preferred_element_type``), then cast to the dtype; softmax runs in the dtype.
+  float32 (``preferred_element_type``), then cast to the dtype; softmax runs in the dtype.  They run
+  under ``jax.default_matmul_precision("highest")``: otherwise XLA may run float32 matmuls in
+  reduced precision (TF32 or bf16 passes on GPUs and TPUs).
 
 float64 replaces float32 in all of the above when it is the dtype under test.  Each op is one jitted
-computation, compiled per shape, dtype and static argument.  A compilation takes 0.1 to 1.5 s and a
-run draws thousands of shapes, so, as a JAX server pads its batches: independent rows (the leading
-axes), queries and keys are padded to the next power of two (``_padded``), and compiled programs are
-kept between runs in JAX's persistent compilation cache (``_compilation_cache``).
+computation, compiled per shape, dtype and static argument; ``JaxAdapter`` puts the contract's numpy
+arrays on the adapter's device, runs the op there under its matmul precision and brings the result
+back as numpy.  A compilation takes 0.1 to 1.5 s and a run draws thousands of shapes, so, as a
+JAX server pads its batches: independent rows (the leading axes), queries and keys are padded to the
+next power of two on the way in (``_padded``), and compiled programs are kept between runs in JAX's
+persistent compilation cache (``_compilation_cache``).
+
+``backend(device="cpu", precision="highest")`` is the factory ``--backend=jax[...]`` calls: ``device``
+is ``cpu``, ``gpu``, ``gpu:N`` (``cuda`` is read as ``gpu``) or ``tpu``; ``precision`` is a value of
+``jax_default_matmul_precision`` (``default``, ``high``, ``highest``, ``tensorfloat32``, ``float32``,
+``bfloat16``, ...) or ``inherit`` for the process's own setting (``JAX_DEFAULT_MATMUL_PRECISION``).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import time
+from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gemma4_conformance.spec import CONTRACT
+from gemma4_conformance.adapters import DTYPES, DeviceError
+from gemma4_conformance.spec import CONTRACT, OP_NAMES
 
 # Without x64, JAX silently turns float64 inputs into float32 (and int64 positions into int32), so
 # float64 could not be tested.  It also makes default dtypes 64-bit, hence explicit dtypes below.
 jax.config.update("jax_enable_x64", True)
-
 
 def _compilation_cache() -> None:
     """Keep every compiled program on disk: in $GEMMA4_CONFORMANCE_JAX_CACHE (default
@@ -48,14 +60,11 @@ def _compilation_cache() -> None:
 
 _compilation_cache()
 
-name = "jax"
-dtypes = ("float64", "float32", "bfloat16", "float16")
-
-_HIGHEST = lax.Precision.HIGHEST  # otherwise XLA may run float32 matmuls in reduced precision
+PRECISION = "highest"  # the matmul precision the backend's ops run under unless told otherwise
 
 
 def _op(*static):
-    """Jit an op, with ``static`` the arguments that fix shapes or control flow, and return numpy.
+    """Jit an op, with ``static`` the arguments that fix shapes or control flow.
 
     Jitting the whole op compiles one program per new shape; eager dispatch compiles every primitive
     separately and was about 3.5x slower on the many small shapes the suite draws.  Python scalars
@@ -63,15 +72,7 @@ def _op(*static):
     """
 
     def wrap(fn):
-        jitted = jax.jit(fn, static_argnames=static)
-        contract = CONTRACT[fn.__name__]
-
-        @functools.wraps(fn)
-        def op(*args, **kwargs):
-            padded, unpad = _padded(contract, args)
-            return unpad(np.asarray(jitted(*padded, **kwargs)))
-
-        return op
+        return functools.wraps(fn)(jax.jit(fn, static_argnames=static))
 
     return wrap
 
@@ -222,6 +223,7 @@ def rope(theta, rot, denom, active, pos, x):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)[..., :D]
 
 
+@_op("rot")
 def rope_std(theta, rot, pos, x):
     return rope(theta, rot, rot, rot // 2, pos, x)
 
@@ -231,7 +233,7 @@ def rope_std(theta, rot, pos, x):
 
 def _linear(W, x):
     """x @ W.T with dtype inputs, accumulated in the wide dtype, cast back to the dtype."""
-    y = jnp.einsum("...k,nk->...n", x, W, precision=_HIGHEST, preferred_element_type=_wide(x.dtype))
+    y = jnp.einsum("...k,nk->...n", x, W, preferred_element_type=_wide(x.dtype))
     return y.astype(x.dtype)
 
 
@@ -267,7 +269,7 @@ def embed(c, E, tokens):
     return c * E[tokens]
 
 
-@_op()  # a cap of None is an empty pytree: capped and uncapped compile apart, every cap value shares one
+@_op("cap")
 def lm_head(mul, cap, W, x):
     logits = mul * _linear(W, x)
     return logits if cap is None else _softcap(cap, logits)
@@ -289,9 +291,9 @@ def softmax(s, visible):
 def _gqa(scale, visible, q, k, v):
     """q [S,Hkv,G,D] against k, v [L,Hkv,D]; visible [S,L].  Query head c*G+g reads KV head c."""
     wide = _wide(q.dtype)
-    logits = scale * jnp.einsum("scgd,lcd->scgl", q, k, precision=_HIGHEST, preferred_element_type=wide)
+    logits = scale * jnp.einsum("scgd,lcd->scgl", q, k, preferred_element_type=wide)
     p = _softmax(logits.astype(q.dtype), visible[:, None, None, :])
-    out = jnp.einsum("scgl,lcd->scgd", p, v, precision=_HIGHEST, preferred_element_type=wide)
+    out = jnp.einsum("scgl,lcd->scgd", p, v, preferred_element_type=wide)
     return out.astype(q.dtype)
 
 
@@ -307,10 +309,169 @@ def sliding_gqa(scale, window, pos, q, k, v):
     return _gqa(scale, (l <= p) & (p < l + window), q, k, v)
 
 
+@_op()
 def decode_gqa(scale, q, k, v):
-    return causal_gqa(scale, np.array([np.shape(k)[0] - 1]), np.asarray(q)[None], k, v)[0]
+    return causal_gqa(scale, jnp.array([k.shape[0] - 1]), q[None], k, v)[0]
 
 
 @_op()
 def sigmoid_gate(o, gate):
     return o * jax.nn.sigmoid(gate)
+
+
+# ----------------------------------------------------------------------------------------- devices
+
+
+def build() -> str:
+    """This JAX's versions and the platforms it has, e.g. "jax 0.10.2, jaxlib 0.10.2, platforms: cpu"."""
+    import jaxlib
+
+    platforms = sorted({d.platform for d in jax.devices()})
+    return f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, platforms: {', '.join(platforms)}"
+
+
+def resolve_device(device: str):
+    """``device`` as a JAX device that is there (``gpu`` is ``gpu:0``; ``cuda`` and ``rocm`` name the GPU
+    too); ``DeviceError`` naming it and what JAX found otherwise."""
+    kind, _, index = device.strip().lower().partition(":")
+    platform = "gpu" if kind in ("cuda", "rocm") else kind
+    if platform not in ("cpu", "gpu", "tpu") or (index and not index.isdigit()):
+        raise DeviceError(f"jax cannot use the device {device!r}: its devices are cpu, gpu, gpu:N (cuda, rocm) "
+                          f"and tpu")
+    try:
+        found = jax.devices(platform)
+    except RuntimeError:
+        found = []
+    n = int(index or 0)
+    if n >= len(found):
+        seen = ", ".join(f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices())
+        hint = "; a GPU needs a GPU jaxlib: pip install 'jax[cuda12]'" if platform == "gpu" else ""
+        raise DeviceError(f"{device} not found: JAX sees {len(found)} {platform} device{'s' if len(found) != 1 else ''} "
+                          f"(all devices: {seen}; {build()}{hint})")
+    return found[n]
+
+
+def _cuda_versions() -> dict:
+    """CUDA runtime, cuDNN and driver API versions of a CUDA jaxlib (empty for others)."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        return {}
+    if cuda_versions is None:
+        return {}
+    found = {}
+    for key, getter in (("cuda_runtime", "cuda_runtime_get_version"), ("cudnn", "cudnn_get_version"),
+                        ("cuda_driver_api", "cuda_driver_get_version")):
+        try:
+            found[key] = str(getattr(cuda_versions, getter)())
+        except Exception:  # noqa: BLE001, S112 - a private module: report what it has
+            continue
+    return found
+
+
+def device_environment(device) -> dict:
+    """The device's name and the runtime versions that decide its kernels, for the report."""
+    from gemma4_conformance.adapters.torch_backend import _nvidia_driver  # noqa: PLC0415 - only on a GPU
+
+    env = {"device": f"{device.platform}:{device.id}", "device_name": device.device_kind, "library": build()}
+    try:
+        client = device.client
+        env["runtime"] = client.platform_version
+    except Exception:  # noqa: BLE001, S110 - a runtime's version only informs
+        pass
+    if device.platform == "gpu":
+        env.update(_cuda_versions())
+        env["driver"] = _nvidia_driver()
+    return env
+
+
+# ----------------------------------------------------------------------------------------- the adapter
+
+
+class JaxAdapter:
+    """The contract's numpy boundary around ``kernels`` (jitted ops): arrays go to ``device``, each op runs
+    there under the adapter's matmul precision, and its result comes back as numpy in the dtype."""
+
+    dtypes = DTYPES
+
+    def __init__(self, kernels, name: str, device: str = "cpu", precision: str = PRECISION):
+        self.kernels = kernels
+        self.jax_device = resolve_device(device)
+        self.device = f"{self.jax_device.platform}:{self.jax_device.id}"
+        if precision != "inherit":
+            try:
+                with jax.default_matmul_precision(precision):  # JAX checks the value
+                    pass
+            except ValueError as e:
+                raise ValueError(f"precision is inherit or a value of jax_default_matmul_precision: {e}") from None
+        self.precision = precision
+        self.name = name + ("" if precision == PRECISION else f"-precision-{precision}")
+        self.transfer_seconds = 0.0
+
+    def _precision(self):
+        return jax.default_matmul_precision(self.precision) if self.precision != "inherit" else nullcontext()
+
+    def _put(self, a, kind: str):
+        if kind not in ("float", "index", "mask"):
+            return a
+        start = time.perf_counter()
+        a = jax.device_put(np.asarray(a), self.jax_device)
+        self.transfer_seconds += time.perf_counter() - start
+        return a
+
+    def _get(self, out) -> np.ndarray:
+        out.block_until_ready()  # the op's own time is not a transfer
+        start = time.perf_counter()
+        array = np.asarray(out)
+        self.transfer_seconds += time.perf_counter() - start
+        return array
+
+    def environment(self) -> dict:
+        env = device_environment(self.jax_device)
+        process = jax.config.jax_default_matmul_precision
+        env["math_modes"] = {"jax_default_matmul_precision": "None (XLA's default)" if process is None else process,
+                             "matmul_precision_of_this_backend": self.precision}
+        env["math_modes_source"] = ("the process's jax_default_matmul_precision" if self.precision == "inherit" else
+                                    f"jax.default_matmul_precision({self.precision!r}) around every op, overriding "
+                                    f"the process's")
+        effective = process if self.precision == "inherit" else self.precision
+        env["math_summary"] = f"float32 matmul precision {effective or 'default'} (jax_default_matmul_precision)"
+        if hasattr(self.kernels, "environment"):
+            env.update(self.kernels.environment())
+        return env
+
+
+def _contract_method(op: str):
+    kinds = tuple(arg.kind for arg in CONTRACT[op].args)
+
+    def method(self, *args, **kwargs):
+        padded, unpad = _padded(CONTRACT[op], args)
+        placed = [self._put(a, kind) for a, kind in zip(padded, kinds)]
+        with self._precision():
+            out = getattr(self.kernels, op)(*placed, **kwargs)
+        return unpad(self._get(out))
+
+    method.__name__ = method.__qualname__ = op
+    method.__doc__ = f"``{op}`` of the contract, computed on the adapter's device."
+    return method
+
+
+for _op_name in OP_NAMES:
+    setattr(JaxAdapter, _op_name, _contract_method(_op_name))
+
+OPS = SimpleNamespace(**{op: globals()[op] for op in OP_NAMES})  # the jitted ops, for backends that reuse them
+
+
+def _decode_gqa(self, scale, q, k, v, _kernel=JaxAdapter.decode_gqa):
+    if self.kernels is not OPS:
+        return _kernel(self, scale, q, k, v)
+    # The jax backend decodes with its causal kernel's last row; asked as that row, its keys are padded.
+    return self.causal_gqa(scale, np.array([np.shape(k)[0] - 1]), np.asarray(q)[None], k, v)[0]
+
+
+JaxAdapter.decode_gqa = _decode_gqa
+
+
+def backend(device: str = "cpu", precision: str = PRECISION) -> JaxAdapter:
+    """The jax backend (``--backend=jax[precision=default]``, ...); see the module docstring."""
+    return JaxAdapter(OPS, "jax", device, precision)

@@ -15,6 +15,7 @@ from gemma4_conformance.spec import CONTRACT, fmt
 
 name = "numpy"
 dtypes = ("float64", "float32", "bfloat16", "float16")
+device = "cpu"  # always, whatever --device says
 
 
 def _compute_dtype(dtype) -> np.dtype:
