@@ -10,6 +10,7 @@ Its hooks touch only the suite's own tests, even in a run that collects others t
     pytest --backend=torch                    every op of torch in every dtype it supports
     pytest --backend=all --dtype=bfloat16     every installed built-in backend, bf16 only
     pytest --backend=mypkg.engine:Adapter     an adapter object, class or factory by path
+    pytest --backend=torch,torch-sdpa --device=cuda   torch's eager and fused kernels on the GPU
     pytest --hypothesis-profile=thorough      more examples (profiles: ci, default, thorough)
     pytest --weights=/path/to/gemma-4-12B     the full forward on real weights
     pytest ... --case='<json>'                rerun exactly one failing case (printed on failure)
@@ -29,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from gemma4_conformance import adapters, report
-from gemma4_conformance.adapters import DTYPES, AdapterError
+from gemma4_conformance.adapters import DTYPES, AdapterError, DeviceError
 from gemma4_conformance.properties.deviations import (
     Deviations,
     DeviationsError,
@@ -65,6 +66,10 @@ def pytest_addoption(parser):
     group.addoption("--backend", default="numpy",
                     help="backend(s) to test, comma-separated: numpy, torch, jax, an entry-point name, "
                          "module:attribute, or all (every installed built-in). Default: numpy.")
+    group.addoption("--device", default="cpu",
+                    help="where backends that take a device run their ops and forward: cpu, cuda, cuda:N or mps "
+                         "for torch's, gpu or gpu:N (cuda is the same) for JAX's; a backend's own [device=...] "
+                         "wins. The numpy backend always runs on the CPU. Default: cpu.")
     group.addoption("--dtype", default=",".join(DTYPES),
                     help=f"dtypes to test, comma-separated, among {', '.join(DTYPES)}. Default: all.")
     group.addoption("--case", default=None,
@@ -110,7 +115,9 @@ def pytest_configure(config):
     loaded = {}
     for spec in _backend_specs(config.getoption("--backend")):
         try:
-            loaded[spec] = adapters.load(spec)
+            loaded[spec] = adapters.load(spec, device=config.getoption("--device"))
+        except DeviceError as e:
+            raise pytest.UsageError(f"--device: {e}") from None
         except AdapterError as e:
             raise pytest.UsageError(f"--backend: {e}") from None
     names = [adapter.name for adapter in loaded.values()]
@@ -226,7 +233,8 @@ def write_reports(config) -> None:
     doc = None
     for kind, path in paths.items():
         try:
-            doc = doc or report.document(config.conformance_recorder, report.environment(command=command),
+            doc = doc or report.document(config.conformance_recorder,
+                                         report.environment(command=command, backends=config.conformance_backends.values()),
                                          config.conformance_deviations.entries)
             written = report.dump(doc, path) if kind == "JSON" else report.write_html(path, [doc])
         except Exception as e:  # noqa: BLE001 - the suite's fault or a bad path: said, the run exits 6, nothing lost
@@ -293,6 +301,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             terminalreporter.write_line(f"{problem.test} ({problem.phase}): {problem.message.splitlines()[0]}", red=True)
     terminalreporter.section("conformance: per backend, dtype and op, the example nearest its budget "
                              "(ULPs at the op's scale)")
+    for adapter in config.conformance_backends.values():
+        terminalreporter.write_line(f"{adapter.name}: {report.device_line(adapter)}")
     for line in recorder.table():
         terminalreporter.write_line(line)
     for line, written in config.conformance_reports:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,6 +82,9 @@ class Verdict:
     tier2: Tier2 | None = None
     admitted: list[str] = field(default_factory=list)  # trivially wrong answers the allowance admits
     checked: int = 0  # output elements compared with the oracle (all, unless the op's sampler drew some)
+    # Wall seconds of the backend's call (its transfers to and from its device apart, when it counts
+    # them in ``transfer_seconds``) and of the oracle's judgement (exact result, scale, comparison).
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def max_error(self) -> float:
@@ -107,7 +111,15 @@ def judge(adapter, op: str, case: dict, dtype: str, seed: int = 0) -> Verdict:
     """Run ``case`` on the backend and compare its output (or the sampler's part of it) with the oracle
     (a case may set its own oracle work with ``"work"``, in table.py's element operations)."""
     args = build(op, case, dtype)
-    return assess(op, args, call(adapter, op, args, dtype), dtype, seed, case.get("work", ORACLE_WORK))
+    moved = getattr(adapter, "transfer_seconds", 0.0)
+    start = time.perf_counter()
+    out = call(adapter, op, args, dtype)
+    backend = time.perf_counter() - start
+    transfer = getattr(adapter, "transfer_seconds", 0.0) - moved
+    start = time.perf_counter()
+    verdict = assess(op, args, out, dtype, seed, case.get("work", ORACLE_WORK))
+    verdict.seconds = {"backend": backend - transfer, "transfer": transfer, "oracle": time.perf_counter() - start}
+    return verdict
 
 
 def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, work: int = ORACLE_WORK) -> Verdict:
@@ -234,6 +246,9 @@ def rerun_command(item, backend: str, case: dict | None = None, weights: str | N
     module path, so it works from any folder where the suite is installed, an engine's repository included."""
     command = ["pytest", "-p", "gemma4_conformance.plugin", "--pyargs", f"{item.module.__name__}::{item.name}",
                f"--backend={backend}"]
+    device = item.config.getoption("--device")
+    if device != "cpu":
+        command.append(f"--device={device}")
     if case is not None:
         command.append(f"--case={case_json(case)}")
     if weights is not None:

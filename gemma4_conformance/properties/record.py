@@ -37,6 +37,12 @@ class OpRecord:
     outcome: str = "not run"  # passed, failed, unsupported, errored, not established
     message: str = ""  # why the worst example failed, or why the op errored
     informative: int = 0  # examples whose allowance excluded every trivially wrong answer
+    seconds: dict[str, float] = field(default_factory=lambda: {"backend": 0.0, "transfer": 0.0, "oracle": 0.0})
+
+    def timed(self, seconds: dict[str, float]) -> None:
+        """Add one example's wall seconds (backend, transfer, oracle: harness.Verdict.seconds)."""
+        for part, value in seconds.items():
+            self.seconds[part] += value
 
     def add(self, ulps: float, budget: float, case: dict, command: str, informative: bool = True) -> bool:
         """Count one example; returns whether it is now the worst (once the op broke, the case it broke

@@ -18,6 +18,7 @@ from .data import (
     SCHEMA,
     VERSION,
     ReportError,
+    device_line,
     document,
     dump,
     environment,
@@ -26,7 +27,7 @@ from .data import (
     validate,
 )
 
-__all__ = ["SCHEMA", "VERSION", "ReportError", "document", "dump", "environment", "load", "number", "render",
+__all__ = ["SCHEMA", "VERSION", "ReportError", "device_line", "document", "dump", "environment", "load", "number", "render",
            "validate", "write_html"]
 
 

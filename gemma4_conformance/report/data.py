@@ -42,6 +42,18 @@ means "not measured" (an op with no examples has no error statistics).
     libraries      object: library name -> installed version, for those of numpy, torch, jax,
                    jaxlib, ml_dtypes, mpmath, hypothesis that are installed
     date           when the document was made, ISO 8601 in UTC, e.g. "2025-11-30T06:20:00+00:00"
+    backends       object (optional; absent in documents from before it): adapter name -> where that
+                   backend ran and how it rounds, from its ``environment()`` when it has one:
+                   ``device`` ("cpu", "cuda:0", "gpu:0"; every backend has it), ``device_name``,
+                   ``library``, ``runtime`` (CUDA/ROCm/JAX platform version), ``cudnn``, ``driver``,
+                   ``math_modes`` (object: the settings that decide rounding, e.g. torch's TF32 flags by
+                   its old and new APIs, its reduced-precision bf16/fp16 reductions and float32 matmul
+                   precision, JAX's jax_default_matmul_precision and the backend's own),
+                   ``math_modes_source`` (whether the backend forced them or found them) and
+                   ``math_summary`` (the modes that change a verdict, in a few words), and
+                   ``dtypes`` (those the backend declares; ``dtypes_left_out``: dtype -> why not, where
+                   it says), and kernel-specific keys (``sdpa_kernels_run``: dtype -> the SDPA kernels
+                   torch chose)
 
     Further keys (JSON values) may be given by the caller of ``environment(**extra)``, e.g. the
     command line, the Hypothesis profile, or a ``label`` naming the run in a merged page.
@@ -85,6 +97,10 @@ means "not measured" (an op with no examples has no error statistics).
                     in the order drawn; above 500 examples, 500 order statistics evenly spaced
                     from the smallest to the largest (so the distribution's shape, minimum and
                     maximum are kept), sorted ascending
+    seconds         object (optional; absent in documents from before it): wall seconds summed over the
+                    examples: "backend" (the adapter's call, less its transfers), "transfer" (moving
+                    arrays to and from its device, for adapters that count it: torch and jax on a
+                    GPU) and "oracle" (the exact result, its scale and the comparison)
 
 ``forward[i]`` (sorted by backend, then dtype)::
 
@@ -257,6 +273,7 @@ def result_entry(record, excused: dict | None = None) -> dict:
         "message": record.message,
         "histogram": _histogram(record.fractions),
         "deviation": deviation,
+        "seconds": {part: round(value, 6) for part, value in record.seconds.items()},
     }
 
 
@@ -369,8 +386,30 @@ def _libraries() -> dict[str, str]:
     return versions
 
 
-def environment(**extra) -> dict:
-    """Where and with what this process runs (see the schema above); ``extra`` keys are added as given."""
+def backend_environment(adapter) -> dict:
+    """Where ``adapter`` ran and the math modes in force (``backends`` in the schema above)."""
+    env = {}
+    if hasattr(adapter, "environment"):
+        try:
+            env = dict(adapter.environment())
+        except Exception as e:  # noqa: BLE001 - an adapter's broken environment() must not lose the report
+            env = {"environment_error": f"{type(e).__name__}: {e}"}
+    env.setdefault("device", getattr(adapter, "device", None) or "not given (the adapter names no device)")
+    env.setdefault("dtypes", list(adapter.dtypes))
+    return env
+
+
+def device_line(adapter) -> str:
+    """One line for the terminal: the backend's device, its name, and its math summary."""
+    env = backend_environment(adapter)
+    name = env.get("device_name")
+    return (env["device"] + (f" ({name})" if name and name != env["device"] and name != "cpu" else "")
+            + (f"; {env['math_summary']}" if env.get("math_summary") else ""))
+
+
+def environment(backends=None, **extra) -> dict:
+    """Where and with what this process runs (see the schema above); ``backends`` are the run's adapters,
+    each described under ``backends``; ``extra`` keys are added as given."""
     try:
         suite = metadata.version("gemma4-conformance")
     except metadata.PackageNotFoundError:
@@ -386,6 +425,8 @@ def environment(**extra) -> dict:
         "libraries": _libraries(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
+    if backends is not None:
+        env["backends"] = {adapter.name: backend_environment(adapter) for adapter in backends}
     env.update(extra)
     return env
 

@@ -232,6 +232,8 @@ def _labels(documents: list[dict], labels) -> list[str]:
 def _environment_rows(env: dict) -> list[tuple[str, str]]:
     rows = []
     for key, value in env.items():
+        if key == "backends":  # shown per backend (_backend_rows)
+            continue
         if key == "libraries" and isinstance(value, dict):
             value = ", ".join(f"{name} {version}" for name, version in value.items()) or "none found"
         elif key == "accelerators" and isinstance(value, list):
@@ -240,6 +242,33 @@ def _environment_rows(env: dict) -> list[tuple[str, str]]:
             value = json.dumps(value)
         rows.append((key.replace("_", " "), value))
     return rows
+
+
+def _backend_rows(env: dict) -> list[dict]:
+    """Per backend of a document: where it ran and its math modes, one row each."""
+    tables = []
+    for backend, described in (env.get("backends") or {}).items():
+        if not isinstance(described, dict):
+            continue
+        rows = []
+        for key, value in described.items():
+            if key == "math_modes" and isinstance(value, dict):
+                rows.extend((f"math: {mode}", json.dumps(setting) if not isinstance(setting, str) else setting)
+                            for mode, setting in value.items())
+            else:
+                rows.append((key.replace("_", " "), value if isinstance(value, str) else json.dumps(value)))
+        tables.append({"backend": backend, "rows": rows})
+    return tables
+
+
+def setting(env: dict, backend: str) -> str:
+    """Where ``backend`` ran and the math modes that decide its verdicts, in a line ("" when unknown)."""
+    described = (env.get("backends") or {}).get(backend)
+    if not isinstance(described, dict):
+        return ""
+    device, name = str(described.get("device", "")), described.get("device_name")
+    where = device + (f" ({name})" if name and name not in (device, "cpu") else "")
+    return "; ".join(part for part in (where, described.get("math_summary", "")) if part)
 
 
 def context(documents: list[dict], labels=None, title: str | None = None) -> dict:
@@ -291,9 +320,15 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                                  "budget": fmt(r["budget_ulps"]),
                                  "over": fmt(over(r)) if over(r) is not None else None,
                                  "examples": examples(r["examples"]), "formula": r["budget_formula"],
-                                 "message": r["message"], "rerun": command(r["rerun"])})
-    forward_failures = [{"column": label(i, b), "dtype": dt, "failures": f["failures"], "rerun": command(f["rerun"])}
+                                 "message": r["message"], "rerun": command(r["rerun"]),
+                                 "setting": setting(documents[i]["environment"], backend)})
+    forward_failures = [{"column": label(i, b), "dtype": dt, "failures": f["failures"], "rerun": command(f["rerun"]),
+                         "setting": setting(documents[i]["environment"], b)}
                         for (i, b, dt), f in forward.items() if f["outcome"] == "failed"]
+    failing_settings = []  # each failing backend's device and math modes, once, above the failures
+    for f in failures + forward_failures:
+        if f["setting"] and (f["column"], f["setting"]) not in failing_settings:
+            failing_settings.append((f["column"], f["setting"]))
 
     # The spec's theorems: failures, and a matrix like the ops'.
     relations, relation_names = {}, []
@@ -438,6 +473,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                          "failures": f["failures"]})
 
     environments = [{"label": doc_labels[i], "rows": _environment_rows(d["environment"]),
+                     "backend_tables": _backend_rows(d["environment"]),
                      "backends": sorted({r["backend"] for r in d["results"] + d["forward"]})}
                     for i, d in enumerate(documents)]
     n_results = sum(len(d["results"]) for d in documents)
@@ -450,6 +486,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         "ops": ops,
         "failures": failures,
         "forward_failures": forward_failures,
+        "failing_settings": failing_settings,
         "relation_failures": relation_failures,
         "relation_matrix": relation_matrix,
         "problems": problems,
