@@ -1,0 +1,258 @@
+"""The main job on a GPU, in one go: torch (eager and SDPA, TF32 on and off) and JAX (XLA and its fused
+attention), one merged report, each verdict matrix's summary and the wall times.
+
+    benchmarks/gpu_run.sh                          # on a machine with an NVIDIA GPU (the default, --device=cuda)
+    benchmarks/gpu_run.sh --device=cpu --quick     # the same jobs on the CPU, a few ops: tests this script
+    benchmarks/gpu_run.sh --out=$OUT --deadline=420 --only=torch,jax
+
+Each backend configuration is its own pytest process (``pytest --backend=SPEC --device=DEVICE``, the
+default Hypothesis profile), all run side by side (the oracle is single-threaded and dominates; a GPU
+is shared well by a dozen small processes), each stopped with SIGINT at ``--deadline`` seconds so
+that it still writes its report.  Then the reports are merged into one page and the summary is
+printed and written beside it.  ``--out`` receives three files (the device tool returns at most
+eight): ``gpu.html`` (the merged page), ``summary.txt`` (what is printed) and ``runs.tar.gz`` (each
+job's JSON report and log).
+
+Jobs that need a GPU (cuDNN attention) are left out on the CPU, and said so.  A job that exits 4 (a
+usage error: its device or library is missing) is reported with its message; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+NEEDED = ("numpy", "mpmath", "hypothesis", "pytest", "yaml", "ml_dtypes", "safetensors", "jinja2", "matplotlib")
+
+
+@dataclass
+class Job:
+    name: str  # the file stem of its report and log
+    spec: str  # --backend
+    library: str  # torch or jax
+    why: str  # what this configuration shows
+    gpu_only: bool = False
+
+
+JOBS = [
+    Job("torch", "torch", "torch", "eager torch, the process's defaults (TF32 off for matmuls; bf16/fp16 "
+                                   "reduced-precision reductions on)"),
+    Job("torch-tf32-on", "torch[tf32=on]", "torch", "TF32 for float32 matmuls: expected to fail float32 linear budgets"),
+    Job("torch-reduced-off", "torch[reduced=off]", "torch", "cuBLAS's bf16/fp16 reduced-precision reductions off"),
+    Job("torch-sdpa", "torch-sdpa", "torch", "SDPA (torch chooses the kernel) and F.rms_norm"),
+    Job("torch-sdpa-tf32-on", "torch-sdpa[tf32=on]", "torch", "the same with TF32 on"),
+    Job("torch-sdpa-gqa-repeat", "torch-sdpa[gqa=repeat]", "torch",
+        "KV heads repeated rather than enable_gqa, so the memory-efficient and cuDNN kernels qualify"),
+    Job("jax", "jax", "jax", "XLA, matmuls at precision highest"),
+    Job("jax-precision-default", "jax[precision=default]", "jax", "XLA at its default matmul precision"),
+    Job("jax-sdpa", "jax-sdpa", "jax", "jax.nn.dot_product_attention, implementation xla"),
+    Job("jax-sdpa-cudnn", "jax-sdpa[implementation=cudnn]", "jax", "jax.nn.dot_product_attention through cuDNN",
+        gpu_only=True),
+]
+QUICK_OPS = "test_matches_oracle and (-linear] or -causal_gqa] or -rmsnorm])"  # --quick: a matmul, attention, a norm
+CERTIFICATION = "test_reference_is_certified_by_the_oracle"  # the suite's own check of its reference: once per run
+
+
+def preflight(device: str) -> dict[str, str]:
+    """Per library, "" when it can run on ``device``, else why not; exits when the suite cannot run at all."""
+    missing = [name for name in NEEDED if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"gpu_run: the suite needs {', '.join(missing)}, not installed for {sys.executable}. On a machine "
+                 f"without a registry, carry their wheels (pip download --no-deps --python-version "
+                 f"{sys.version_info.major}.{sys.version_info.minor} ...) and install them with "
+                 f"pip install --no-index --target DIR, then PYTHONPATH=DIR.")
+    problems = {}
+    for library in ("torch", "jax"):
+        if importlib.util.find_spec(library) is None:
+            problems[library] = f"{library} is not installed for {sys.executable}"
+            continue
+        probe = (f"from gemma4_conformance.adapters import {library}_backend as b; d = b.resolve_device({device!r}); "
+                 f"print(b.device_environment(d))")
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_env(), timeout=300)
+        if done.returncode:
+            problems[library] = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        else:
+            print(f"{library}: {done.stdout.strip()}")
+    return problems
+
+
+def _env() -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1"}
+    # JAX takes 75% of the GPU's memory at start unless told not to: a dozen processes share it here.
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return env
+
+
+def command(job: Job, args, report: Path, first: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-p", "gemma4_conformance.plugin", "--pyargs", "gemma4_conformance",
+           f"--backend={job.spec}", f"--device={args.device}", f"--hypothesis-profile={args.profile}",
+           "-p", "no:cacheprovider", f"--report-json={report}", "--report-html=", "-q", "--no-header"]
+    keywords = ([QUICK_OPS] if args.quick else []) + ([] if first else [f"not {CERTIFICATION}"])
+    if keywords:
+        cmd += ["-k", " and ".join(f"({k})" for k in keywords)]
+    if args.quick:
+        cmd.append("--dtype=float32,bfloat16")
+    return cmd + args.pytest_args
+
+
+def run(jobs: list[Job], args, work: Path) -> dict[str, dict]:
+    """Start every job, stop those past the deadline with SIGINT (pytest still writes its report)."""
+    running, results = {}, {}
+    pending = list(jobs)
+    start = time.monotonic()
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            job = pending.pop(0)
+            folder = work / job.name
+            folder.mkdir()
+            log = open(work / f"{job.name}.log", "w")
+            cmd = command(job, args, work / f"{job.name}.json", first=not results and not running)
+            log.write(" ".join(cmd) + "\n\n")
+            log.flush()
+            process = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=_env(),
+                                       start_new_session=True)
+            running[job.name] = (job, process, time.monotonic(), log)
+        time.sleep(1)
+        for name, (job, process, began, log) in list(running.items()):
+            elapsed = time.monotonic() - began
+            if process.poll() is None:
+                if elapsed > args.deadline and not results.get(name, {}).get("interrupted"):
+                    os.killpg(process.pid, signal.SIGINT)
+                    results[name] = {"interrupted": True}
+                elif elapsed > args.deadline + 60:
+                    os.killpg(process.pid, signal.SIGKILL)
+                continue
+            log.close()
+            results[name] = {**results.get(name, {}), "status": process.returncode, "wall": elapsed}
+            del running[name]
+            print(f"[{time.monotonic() - start:6.0f} s] {name}: exit {process.returncode} after {elapsed:.0f} s"
+                  + (" (stopped at the deadline)" if results[name].get("interrupted") else ""), flush=True)
+    return results
+
+
+def summarize(job: Job, result: dict, work: Path) -> list[str]:
+    """A job's verdict matrix in a few lines: per dtype the ops passed, failed, errored; its failures;
+    the forward and theorems; where the time went; the device and math modes."""
+    lines = [f"== {job.name}  (--backend={job.spec}): {job.why}"]
+    path = work / f"{job.name}.json"
+    status = result.get("status")
+    lines.append(f"   exit {status}, wall {result.get('wall', 0):.0f} s"
+                 + (", stopped at the deadline: results are partial" if result.get("interrupted") else ""))
+    if not path.exists():
+        log = (work / f"{job.name}.log").read_text(errors="replace").strip().splitlines()
+        usage = [line for line in log if "ERROR" in line or "error" in line.lower()]
+        lines.append(f"   no report: {(usage or log or ['(empty log)'])[-1][:300]}")
+        return lines
+    doc = json.loads(path.read_text())
+    for name, described in doc["environment"].get("backends", {}).items():
+        where, kind = described.get("device"), described.get("device_name")
+        lines.append(f"   {name} on {where}{f' ({kind})' if kind and kind != 'cpu' else ''}; "
+                     f"{described.get('math_summary', '')}")
+        if described.get("sdpa_kernels_run"):
+            lines.append(f"   SDPA kernels run: {described['sdpa_kernels_run']}")
+    dtypes = []
+    for r in doc["results"]:
+        if r["dtype"] not in dtypes:
+            dtypes.append(r["dtype"])
+    for dtype in dtypes:
+        rs = [r for r in doc["results"] if r["dtype"] == dtype]
+        counts = {}
+        for r in rs:
+            counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+        closest = min((r for r in rs if r["outcome"] == "passed" and isinstance(r["headroom"], (int, float))),
+                      key=lambda r: r["headroom"], default=None)
+        lines.append(f"   {dtype:<9} " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
+                     + (f"; least headroom {closest['op']} {closest['headroom']:.3g}x" if closest else ""))
+    for r in doc["results"]:
+        if r["outcome"] in ("failed", "errored", "known deviation"):
+            over = (f"{r['worst_ulps']:.4g} ULPs / budget {r['budget_ulps']:.4g}" if isinstance(r["worst_ulps"], float)
+                    else "")
+            lines.append(f"   {r['outcome'].upper():<8} {r['dtype']:<9} {r['op']:<14} {over}  {r['message'][:160]}")
+    for f in doc["forward"]:
+        lines.append(f"   forward {f['dtype']}: {f['outcome']}" + (f" ({f['failures'][0][:160]})" if f["failures"] else ""))
+    held = sum(r["outcome"] == "passed" for r in doc["relations"])
+    lines.append(f"   theorems: {held} of {len(doc['relations'])} held"
+                 + "".join(f"; {r['dtype']} {r['relation']} {r['outcome']}" for r in doc["relations"]
+                           if r["outcome"] not in ("passed", "unsupported")))
+    for p in doc["problems"][:5]:
+        lines.append(f"   broken: {p['test']}: {p['message'][:200]}")
+    seconds = {"backend": 0.0, "transfer": 0.0, "oracle": 0.0}
+    for r in doc["results"]:
+        for part, value in r.get("seconds", {}).items():
+            seconds[part] = seconds.get(part, 0.0) + value
+    total = sum(seconds.values()) or 1.0
+    lines.append("   time in the op tests: " + ", ".join(f"{part} {value:.1f} s ({100 * value / total:.0f}%)"
+                                                       for part, value in seconds.items()))
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu to test this script")
+    parser.add_argument("--profile", default="default", help="Hypothesis profile: ci, default (the main job), thorough")
+    parser.add_argument("--deadline", type=float, default=420, help="seconds before a job is stopped (default 420)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="jobs run at once (default: the CPUs)")
+    parser.add_argument("--only", default="", help="comma-separated job names (default: all); see JOBS")
+    parser.add_argument("--quick", action="store_true", help="a few ops in float32 and bf16: checks the script")
+    parser.add_argument("--out", type=Path, default=ROOT / "reports" / "gpu", help="where the three files go")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
+    args = parser.parse_args(argv)
+
+    begun = time.monotonic()
+    on_gpu = args.device != "cpu"
+    problems = preflight(args.device)
+    jobs = [job for job in JOBS if not args.only or job.name in args.only.split(",")]
+    unknown = set(filter(None, args.only.split(","))) - {job.name for job in JOBS}
+    if unknown:
+        sys.exit(f"gpu_run: no job named {', '.join(sorted(unknown))}; jobs: {', '.join(j.name for j in JOBS)}")
+    notes = [f"left out {job.name}: it needs a GPU" for job in jobs if job.gpu_only and not on_gpu]
+    notes += [f"left out {job.name}: {problems[job.library]}" for job in jobs if job.library in problems]
+    jobs = [job for job in jobs if (on_gpu or not job.gpu_only) and job.library not in problems]
+    for note in notes:
+        print(note)
+    if not jobs:
+        sys.exit("gpu_run: no job can run here")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-run-") as tmp:
+        work = Path(tmp)
+        print(f"running {len(jobs)} jobs ({args.jobs} at a time) on {args.device}, profile {args.profile}, "
+              f"deadline {args.deadline:.0f} s each", flush=True)
+        results = run(jobs, args, work)
+        lines = [f"gpu_run on {args.device}, profile {args.profile}{' (quick)' if args.quick else ''}: "
+                 f"{len(jobs)} jobs, wall {time.monotonic() - begun:.0f} s"] + notes
+        for job in jobs:
+            lines += summarize(job, results[job.name], work)
+        reports = [work / f"{job.name}.json" for job in jobs if (work / f"{job.name}.json").exists()]
+        if reports:
+            from gemma4_conformance import report
+
+            page = report.write_html(args.out / "gpu.html", [report.load(p) for p in reports],
+                                     [p.stem for p in reports], title=f"Gemma 4 conformance on {args.device}")
+            lines.append(f"merged report: {page}")
+        with tarfile.open(args.out / "runs.tar.gz", "w:gz") as bundle:
+            for path in sorted(work.glob("*.json")) + sorted(work.glob("*.log")):
+                bundle.add(path, arcname=path.name)
+        lines.append(f"reports and logs: {args.out / 'runs.tar.gz'}; total wall {time.monotonic() - begun:.0f} s")
+    text = "\n".join(lines)
+    print("\n" + text)
+    (args.out / "summary.txt").write_text(text + "\n")
+    return 0 if all(r.get("status") in (0, 1) for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
