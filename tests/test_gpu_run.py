@@ -1,0 +1,29 @@
+"""benchmarks/gpu_run.sh on the CPU (--device=cpu), as CI can run it: the GPU session's script must work
+the first time it meets a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_gpu_run_script_runs_its_jobs_on_the_cpu_and_writes_the_merged_report_and_summary(tmp_path):
+    done = subprocess.run([str(ROOT / "benchmarks" / "gpu_run.sh"), "--device=cpu", "--quick",
+                           "--only=torch-tf32-on,jax-sdpa-cudnn", f"--out={tmp_path}", "--", "--dtype=float32"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=900)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert {p.name for p in tmp_path.iterdir()} == {"gpu.html", "summary.txt", "runs.tar.gz"}
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "left out jax-sdpa-cudnn: it needs a GPU" in summary
+    assert "== torch-tf32-on  (--backend=torch[tf32=on])" in summary and "exit 0" in summary
+    assert "torch-tf32-on on cpu; float32 matmuls in IEEE float32" in summary
+    assert "float32   3 passed" in summary and "time in the op tests: backend" in summary
+    with tarfile.open(tmp_path / "runs.tar.gz") as bundle:
+        assert set(bundle.getnames()) == {"torch-tf32-on.json", "torch-tf32-on.log"}
+    assert "torch-tf32-on" in (tmp_path / "gpu.html").read_text()
