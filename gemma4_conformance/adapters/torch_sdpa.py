@@ -9,7 +9,9 @@ norms through ``F.rms_norm``; every other op as the eager torch backend computes
   sees every key and passes none.  The op's ``scale`` is passed through (SDPA's default would be
   1/sqrt(D), which Gemma 4 does not use).  ``kernel=flash|efficient|cudnn|math`` forces one kernel
   through ``torch.nn.attention.sdpa_kernel``; by default torch chooses, and the kernel it chose for
-  each dtype is recorded (``torch._fused_sdp_choice``) and reported.
+  each dtype is recorded (``torch._fused_sdp_choice``) and reported.  On CUDA a forced flash or cuDNN
+  kernel declares bf16 and fp16 only, the memory-efficient one float32 too; flash takes no mask
+  there, so under it only ``decode_gqa`` runs (the others raise torch's "No available kernel").
 * A query row with nothing visible is zeroed after the kernel (``torch.where`` on the row's
   any-visible), as the spec defines it: SDPA's softmax over no keys is 0/0, which torch's CPU kernels
   (2.5 and later) already return as 0 but fused kernels and older versions return as NaN; engines
@@ -31,12 +33,16 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import DeviceError
 from .torch_backend import Eager, TorchAdapter
 
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
            "memory-efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
            "math": SDPBackend.MATH}
 NATIVE_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch 2.5 and later
+# The dtypes a forced CUDA kernel takes (torch's sdp_utils); on the CPU its flash and math kernels take all four.
+CUDA_DTYPES = {"flash": ("bfloat16", "float16"), "cudnn": ("bfloat16", "float16"),
+               "efficient": ("float32", "bfloat16", "float16"), "memory-efficient": ("float32", "bfloat16", "float16")}
 
 
 class SDPA(Eager):
@@ -124,4 +130,9 @@ def backend(device: str = "cpu", tf32: str = "", reduced: str = "", kernel: str 
     """The fused torch backend (``--backend=torch-sdpa[kernel=math]``, ...); see the module docstring."""
     name = "torch-sdpa" + "".join(f"-{option}-{value}" for option, value in
                                   (("kernel", kernel), ("mask", mask), ("gqa", gqa)) if value)
-    return TorchAdapter(SDPA(kernel, mask or "bool", gqa), name, device, tf32, reduced)
+    adapter = TorchAdapter(SDPA(kernel, mask or "bool", gqa), name, device, tf32, reduced)
+    if adapter.torch_device.type != "cuda" and kernel in ("efficient", "memory-efficient", "cudnn"):
+        raise DeviceError(f"torch's {kernel} SDPA kernel runs on CUDA only, not on {adapter.device}")
+    if adapter.torch_device.type == "cuda" and kernel in CUDA_DTYPES:
+        adapter.dtypes = CUDA_DTYPES[kernel]
+    return adapter

@@ -4,5 +4,5 @@ from adapters import kernels_for
 
 
 def test_sigmoid_at_zero_is_one_half(request):
-    kernels = kernels_for(request.config.getoption("--device"))
+    kernels = kernels_for(request.config.getoption("--engine-device"))
     assert kernels.sigmoid(np.float32(0)) == np.float32(0.5)
