@@ -29,9 +29,12 @@ deviations:
 
 
 def result_set(doc) -> dict:
-    """What a run concluded, without where and how it ran (its folder holds the deviations file)."""
+    """What a run concluded, without where and how it ran (its folder holds the deviations file) or how
+    long each op took (its ``seconds``)."""
     deviations = [{k: v for k, v in d.items() if k != "file"} for d in doc["deviations"]]
-    return {**{key: doc[key] for key in ("results", "relations", "forward", "problems")}, "deviations": deviations}
+    results = [{k: v for k, v in r.items() if k != "seconds"} for r in doc["results"]]
+    return {**{key: doc[key] for key in ("relations", "forward", "problems")}, "results": results,
+            "deviations": deviations}
 
 
 def summary(out: str, where) -> list[str]:
