@@ -130,10 +130,11 @@ def test_small_config_keeps_every_feature_of_the_real_one():
     assert cfg.num_layers == 48 and cfg.num_heads == 16
     assert cfg.full_layers == real.full_layers == tuple(range(5, 48, 6))
     sliding, full = cfg.layers[0], cfg.layers[5]
-    assert (sliding.head_dim, sliding.kv_heads, sliding.k_eq_v) == (16, 8, False)
-    assert (full.head_dim, full.kv_heads, full.k_eq_v) == (32, 1, True)
-    assert (sliding.rope_theta, sliding.rope_active, sliding.rope_rot, sliding.rope_denom) == (1e4, 8, 16, 16)
-    assert (full.rope_theta, full.rope_active, full.rope_rot, full.rope_denom) == (1e6, 4, 32, 32)
+    # head dims that engines' CPU attention kernels take (vLLM's refuses 16), the full ones twice the sliding
+    assert (sliding.head_dim, sliding.kv_heads, sliding.k_eq_v) == (32, 8, False)
+    assert (full.head_dim, full.kv_heads, full.k_eq_v) == (64, 1, True)
+    assert (sliding.rope_theta, sliding.rope_active, sliding.rope_rot, sliding.rope_denom) == (1e4, 16, 32, 32)
+    assert (full.rope_theta, full.rope_active, full.rope_rot, full.rope_denom) == (1e6, 8, 64, 64)
     assert sliding.window == 8 and full.window is None
     assert (cfg.final_softcap, cfg.eps, cfg.activation, cfg.tie_embeddings) == (30.0, 1e-6, "gelu_pytorch_tanh", True)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (64, 128, 512)
@@ -273,8 +274,8 @@ def test_per_layer_config_errors(entries, says):
 
 def test_contradicting_forms_are_refused():
     d = generate.small_config()
-    d["per_layer_config"] = {"05": {"head_dim": 64, "num_key_value_heads": 1}}
-    with pytest.raises(ConfigError, match="per_layer_config.05: .* contradicts global_head_dim 32"):
+    d["per_layer_config"] = {"05": {"head_dim": 128, "num_key_value_heads": 1}}
+    with pytest.raises(ConfigError, match="per_layer_config.05: .* contradicts global_head_dim 64"):
         TextConfig.from_dict(d)
     d = generate.small_config()
     d["dtype"] = "float16"
@@ -358,9 +359,9 @@ def test_generated_checkpoint_loads_and_round_trips(tmp_path, prefix, shards, dt
     text = doc["text_config"] if prefix == MM else doc
     assert ("text_config" in doc) == (prefix == MM)
     if form == "hub":
-        assert text["global_head_dim"] == 32 and text["torch_dtype"] == dtype and "per_layer_config" not in text
+        assert text["global_head_dim"] == 64 and text["torch_dtype"] == dtype and "per_layer_config" not in text
     else:
-        assert text["per_layer_config"]["05"] == {"head_dim": 32, "num_key_value_heads": 1}
+        assert text["per_layer_config"]["05"] == {"head_dim": 64, "num_key_value_heads": 1}
         assert sorted(text["per_layer_config"]) == [f"{i:02d}" for i in range(5, 48, 6)]
         assert text["dtype"] == dtype and "global_head_dim" not in text and "torch_dtype" not in text
 
@@ -586,7 +587,7 @@ def test_misshaped_tensor(sharded):
     name = MM + "layers.2.self_attn.q_proj.weight"
     file = shard_of(sharded, name)
     edit_shard(file, lambda ts: [(n, d, s[::-1] if n == name else s, b) for n, d, s, b in ts])
-    fails(sharded, name, str(file), "shape [64, 256], expected [256, 64]")
+    fails(sharded, name, str(file), "shape [64, 512], expected [512, 64]")
 
 
 def test_config_that_disagrees_with_the_tensors(sharded):
@@ -600,7 +601,7 @@ def test_config_that_disagrees_with_the_tensors(sharded):
 def test_wrongly_typed_tensor(sharded, code, itemsize):
     name = MM + "layers.4.self_attn.k_norm.weight"
     file = shard_of(sharded, name)
-    edit_shard(file, lambda ts: [(n, code, s, bytes(16 * itemsize)) if n == name else (n, d, s, b) for n, d, s, b in ts])
+    edit_shard(file, lambda ts: [(n, code, s, bytes(32 * itemsize)) if n == name else (n, d, s, b) for n, d, s, b in ts])
     fails(sharded, name, str(file), f"unsupported dtype {code}")
 
 
