@@ -15,6 +15,7 @@ from gemma4_conformance import report
 from gemma4_conformance.properties.budget import budget
 from gemma4_conformance.properties.deviations import Deviation
 from gemma4_conformance.properties.record import Problem, Recorder
+from gemma4_conformance.properties.trace import NodeVerdict, TraceVerdict
 from gemma4_conformance.report.__main__ import main
 
 ROPE_COMMAND = ("pytest -p gemma4_conformance.plugin --pyargs "
@@ -23,6 +24,9 @@ ROPE_COMMAND = ("pytest -p gemma4_conformance.plugin --pyargs "
 FORWARD_COMMAND = ("pytest -p gemma4_conformance.plugin --pyargs "
                    "'gemma4_conformance.properties.test_forward::test_forward_matches_reference[torch-float32]' "
                    "--backend=torch")
+TRACE_COMMAND = FORWARD_COMMAND.replace("test_forward_matches_reference[torch-float32]",
+                                        "test_trace_nodes_match_their_ops[torch-bfloat16]")
+Q_NORM_FAILURE = "error 6.2 ULPs at the op's scale > budget 1.5 (1.5) at (3, 0, 7): got 0.5, exact 0.49"
 HOSTILE = "<script>alert(1)</script>"
 
 
@@ -65,6 +69,19 @@ def make_recorder(backend: str = "torch") -> Recorder:
         layers=[(1e-5, 1e-7)] * 3, logits=(1e-5, 1e-7), top1_agreement=0.75, logprob_gap=(0.2, 1e-6),
         failures=["layer 0: relative error 1e-05 > 3.0 x baseline 1e-07 (floor 9.5e-07)"],
         rerun=FORWARD_COMMAND.replace("torch", backend))
+    nodes = [NodeVerdict("embed", "embed", "passed", 0.25, 0.5),
+             NodeVerdict("layers.0.q_proj", "linear", "passed", 1.0, 4.0),
+             NodeVerdict("layers.0.q_norm", "rmsnorm", "failed", 6.2, 1.5, Q_NORM_FAILURE),
+             NodeVerdict("layers.0.q_rope", "rope", "passed", 1.2, 4.5),
+             NodeVerdict("layers.0.k_proj", "linear", "not traced", message="the engine's trace omits it"),
+             NodeVerdict("layers.0.k_norm", "rmsnorm", "inputs not traced",
+                         message="its input(s) layers.0.k_proj were not traced"),
+             NodeVerdict("layers.1.q_norm", "rmsnorm", "failed", 3.0, 1.5, "error 3 ULPs"),
+             NodeVerdict("final_norm", "rmsnorm", "passed", 0.5, 1.5),
+             NodeVerdict("logits", "lm_head", "passed", 2.0, 5.0)]
+    trace = TraceVerdict("bfloat16", nodes, rerun=TRACE_COMMAND.replace("torch", backend))
+    trace.failures.append(f"trace: {trace.summary()}: {Q_NORM_FAILURE}")
+    recorder.traces[backend, "bfloat16"] = trace
     return recorder
 
 
@@ -107,7 +124,7 @@ def test_the_document_round_trips_through_strict_json_and_load(doc, tmp_path):
     text = path.read_text()
     json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
     assert report.load(path) == doc
-    assert doc["schema"] == "gemma4-conformance-report" and doc["version"] == report.VERSION == 3
+    assert doc["schema"] == "gemma4-conformance-report" and doc["version"] == report.VERSION == 4
 
 
 def test_a_result_entry_carries_the_measurements_budget_and_rerun(doc):
@@ -155,6 +172,36 @@ def test_a_forward_entry_has_per_layer_errors_and_the_verdict(doc):
     assert fp32["outcome"] == "failed" and fp32["failures"][0].startswith("layer 0")
 
 
+def test_a_trace_entry_names_the_first_departing_node_and_counts_nodes_by_layer(doc):
+    [entry] = doc["traces"]
+    assert (entry["backend"], entry["dtype"], entry["outcome"]) == ("torch", "bfloat16", "failed")
+    first = entry["first_departure"]
+    assert (first["node"], first["op"], first["layer"], first["error"], first["budget"]) == \
+        ("layers.0.q_norm", "rmsnorm", 0, 6.2, 1.5) and first["message"] == Q_NORM_FAILURE
+    assert entry["summary"].startswith("first departing node layers.0.q_norm (rmsnorm, bfloat16): 6.2 ULPs > "
+                                       "budget 1.5")
+    rows = {row["where"]: row for row in entry["layers"]}
+    assert list(rows) == ["embed", "layer 0", "layer 1", "final"]
+    assert {k: rows["layer 0"][k] for k in ("nodes", "judged", "passed", "failed", "not traced",
+                                             "inputs not traced")} == \
+        {"nodes": 5, "judged": 3, "passed": 2, "failed": 1, "not traced": 1, "inputs not traced": 1}
+    assert rows["layer 0"]["failed_nodes"] == ["q_norm"] and rows["final"]["judged"] == 2
+    assert [n["outcome"] for n in entry["nodes"]][4:6] == ["not traced", "inputs not traced"]
+    assert entry["nodes"][4]["error"] is None and entry["rerun"] == TRACE_COMMAND
+
+
+def test_the_trace_section_shows_the_first_departing_node_and_the_grid_by_layer(page):
+    section = _section(page, "trace", "environment")
+    assert "first departing node <span class=\"mono\">layers.0.q_norm</span>" in section
+    assert "layer 0" in section and Q_NORM_FAILURE in html.unescape(section)
+    assert TRACE_COMMAND in html.unescape(section)
+    grid = section[section.index("tracegrid"):]
+    assert grid.count("<tr>") == 1 + 4  # the header, embed, layer 0, layer 1, final
+    assert 'class="cell fail"' in grid and 'class="cell notrun"' in grid and 'class="cell unsup"' in grid
+    failures = _section(page, "failures", "conformance")
+    assert "trace — first departing node layers.0.q_norm" in failures
+
+
 def test_the_histogram_is_capped_and_keeps_the_extremes():
     recorder = Recorder()
     _record(recorder, "numpy", "float32", "sigmoid", [i / 100 for i in range(2000)], 30.0, "passed")
@@ -183,6 +230,8 @@ def test_the_environment_names_suite_libraries_python_cpu_and_date():
     (lambda d: d["results"][0].update(outcome="great"), "results[0].outcome is 'great'"),
     (lambda d: d["results"][0].update(max_ulps="lots"), "results[0].max_ulps is 'lots'"),
     (lambda d: d["forward"][0]["logits"].pop("baseline"), "forward[0].logits needs"),
+    (lambda d: d["traces"][0]["nodes"][2].update(outcome="wobbly"), "traces[0].nodes[2].outcome is 'wobbly'"),
+    (lambda d: d["traces"][0].pop("first_departure"), "traces[0] lacks the field 'first_departure'"),
 ])
 def test_load_refuses_a_broken_report_and_names_the_file(doc, tmp_path, mutate, says):
     broken = json.loads(json.dumps(doc))
@@ -236,13 +285,13 @@ def matrix(page):
 
 def test_the_matrix_has_every_op_coloured_by_headroom(page):
     rows = matrix(page)
-    assert set(rows) == {"sigmoid", "silu", "softcap", "rope", "linear", "softmax", "forward"}
+    assert set(rows) == {"sigmoid", "silu", "softcap", "rope", "linear", "softmax", "forward", "trace"}
     assert rows["softcap"] == ["known", "none"]
     # Columns: float32 then bfloat16, one backend each.
     assert rows["rope"] == ["warn", "fail"]
     assert rows["softmax"] == ["none", "ok"] and rows["linear"] == ["none", "unsup"]
     assert rows["sigmoid"] == ["fail", "none"] and rows["silu"] == ["ok", "none"]
-    assert rows["forward"] == ["fail", "ok"]
+    assert rows["forward"] == ["fail", "ok"] and rows["trace"] == ["none", "fail"]
     assert "7.1 / 4.5" in page
 
 

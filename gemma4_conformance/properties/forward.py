@@ -4,8 +4,9 @@
   *certified* as it runs: every output of every op call is recomputed by the oracle from the same
   inputs (on the 12B geometry, a sample of the largest calls' outputs), and must lie within that op's
   float64 budget. So the reference is known to the precision its error model states, not assumed.
-* The *candidate* is the backend's own ``forward(weights, config, tokens, dtype)`` when it has one,
-  else the same graph run with its ops in the dtype under test.
+* The *candidate* is the backend's own ``forward(weights, config, tokens, dtype, checkpoint=None)``
+  when it has one, else the same graph run with its ops in the dtype under test (which then also
+  records every node's output: the trace that properties/trace.py judges node by node).
 * The *baseline* is the graph run with the suite's numpy ops in the dtype, rounding to it at every
   op boundary: what a plain implementation in that dtype achieves.
 
@@ -13,19 +14,27 @@ Verdict (FlashAttention-style): per layer and for the logits, the candidate's re
 the reference may be at most FACTOR times the baseline's, or below an absolute floor of FLOOR unit
 roundoffs; its top-1 token must match the reference's wherever the reference's margin exceeds what
 the baseline's logit error could flip.
+
+The forward contract (``check_output``): ``logits`` exactly ``[T, V]`` in the dtype under test or
+wider; ``hidden_states``, when given, one ``[T, H]`` array per layer; ``trace``, when given, a dict of
+graph nodes to arrays of the node's size.  Anything else (the last position's logits only, a batch
+axis, a padded vocabulary, the embedding output counted as a hidden state, a node that does not
+exist, NaN where the reference is finite) is a ContractViolation that says what was expected: the
+adapter broke (exit 6), which is never a numerical verdict.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.spec import fmt
-from gemma4_conformance.spec.model import forward
+from gemma4_conformance.spec.model import forward, nodes
 
-from .harness import assess, call
+from .harness import ContractViolation, assess, call
 from .table import ORACLE_WORK
 
 # How much worse than a plain same-dtype implementation a candidate may be.  Two correct
@@ -87,12 +96,151 @@ def reference(config, weights, tokens, certify: bool = True):
     return result, certificate
 
 
-def composed(adapter, config, weights, tokens, dtype: str) -> dict:
-    """The adapter's own forward if it has one, else the spec's graph run with its ops in ``dtype``."""
+class TraceRecorder:
+    """An ops object's observer that keeps every node's output: the trace of a composed forward.  The
+    LM head's calls (one per VOCAB_CHUNK columns, all under the node ``logits``) are joined along the
+    vocabulary, as an engine's trace of that node would be."""
+
+    def __init__(self):
+        self.trace: dict[str, np.ndarray] = {}
+
+    def __call__(self, node, op, args, out):
+        if node in self.trace:
+            out = np.concatenate([self.trace[node], out], axis=-1)
+        self.trace[node] = out
+
+
+def composed(adapter, config, weights, tokens, dtype: str, trace: bool = False) -> dict:
+    """``logits``, ``hidden_states`` (None when not given) and ``trace`` (None when not given): the
+    adapter's own forward under the contract's checks if it has one, else the spec's graph run with its
+    ops in ``dtype`` (which records the trace when ``trace``)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
     if hasattr(adapter, "forward"):
-        out = adapter.forward(weights, config.raw, np.asarray(tokens), dtype)
-        return {"logits": out["logits"], "hidden_states": out.get("hidden_states")}
-    return forward(AdapterOps(adapter, dtype), config, weights, tokens)
+        return check_output(run_forward(adapter, config, weights, tokens, dtype), config, len(tokens), dtype,
+                            f"{adapter.name}.forward in {dtype}")
+    recorder = TraceRecorder() if trace else None
+    out = forward(AdapterOps(adapter, dtype, observe=recorder), config, weights, tokens)
+    return {**out, "trace": recorder.trace if trace else None}
+
+
+def run_forward(adapter, config, weights, tokens, dtype: str):
+    """``adapter.forward(weights, config.raw, tokens, dtype, checkpoint=...)``, the checkpoint folder
+    passed when the weights come from one and the adapter's forward takes it (adapters written before
+    the argument existed take four); an exception is the adapter breaking, named as such."""
+    kwargs = {}
+    folder = getattr(weights, "path", None)
+    if folder is not None and _accepts(adapter.forward, "checkpoint"):
+        kwargs["checkpoint"] = str(folder)
+    try:
+        return adapter.forward(weights, config.raw, tokens.copy(), dtype, **kwargs)
+    except ContractViolation:
+        raise
+    except Exception as e:
+        raise ContractViolation(f"{adapter.name}.forward in {dtype} raised {type(e).__name__}: {e}") from e
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind == p.VAR_KEYWORD for p in parameters)
+
+
+_WIDER = {"float64": ("float64",), "float32": ("float64", "float32"),
+          "bfloat16": ("float64", "float32", "bfloat16"), "float16": ("float64", "float32", "float16")}
+
+
+def _array(value, what: str, where: str) -> np.ndarray:
+    if not isinstance(value, np.ndarray):
+        raise ContractViolation(f"{where}: {what} is {type(value).__name__}, expected a numpy array")
+    if value.dtype.kind != "f" and value.dtype != fmt("bfloat16").dtype:
+        raise ContractViolation(f"{where}: {what} has dtype {value.dtype}, expected a floating dtype")
+    return value
+
+
+def check_output(out, config, T: int, dtype: str, where: str) -> dict:
+    """An adapter forward's result checked against the forward contract (module docstring):
+    ``{"logits", "hidden_states", "trace"}``, the optional ones None when not given."""
+    if not isinstance(out, dict) or "logits" not in out:
+        got = 'a dict without "logits"' if isinstance(out, dict) else type(out).__name__
+        raise ContractViolation(f'{where} returned {got}; expected a dict with "logits" [T, V] and '
+                                f'optionally "hidden_states" and "trace"')
+    unknown = sorted(set(out) - {"logits", "hidden_states", "trace"})
+    if unknown:
+        raise ContractViolation(f"{where} returned the unknown key(s) {unknown}; the contract's keys are "
+                                '"logits", "hidden_states" and "trace"')
+    V, H, L = config.vocab_size, config.hidden_size, config.num_layers
+    logits = _array(out["logits"], "logits", where)
+    shape = tuple(logits.shape)
+    if shape != (T, V):
+        if shape == (V,):
+            hint = "only one position's logits: every position's are judged"
+        elif shape == (1, T, V):
+            hint = "a batch axis: return the one sequence's [T, V]"
+        elif len(shape) == 2 and shape[0] == T and shape[1] > V:
+            hint = f"a vocabulary padded to {shape[1]}: return the first V = {V} columns"
+        elif len(shape) == 2 and shape[1] == V and shape[0] < T:
+            hint = f"{shape[0]} of the {T} positions"
+        else:
+            hint = "the wrong shape"
+        raise ContractViolation(f"{where} returned logits of shape {shape}: {hint}; expected exactly "
+                                f"[T, V] = {[T, V]}")
+    if str(logits.dtype) not in _WIDER[dtype] and logits.dtype != fmt(dtype).dtype:
+        raise ContractViolation(f"{where} returned logits in {logits.dtype}, narrower than the dtype under test "
+                                f"({dtype}); expected {dtype} or wider")
+    hidden = out.get("hidden_states")
+    if hidden is not None:
+        if not isinstance(hidden, (list, tuple)):
+            raise ContractViolation(f"{where}: hidden_states is {type(hidden).__name__}, expected a list of "
+                                    f"{L} arrays [T, H], one per layer")
+        if len(hidden) != L:
+            hint = " (the embedding output counted first, as transformers' output_hidden_states does?)" \
+                if len(hidden) == L + 1 else ""
+            raise ContractViolation(f"{where} returned {len(hidden)} hidden states{hint}; expected one per layer, "
+                                    f"{L}, each the layer's output [T, H] = {[T, H]}")
+        for i, h in enumerate(hidden):
+            h = _array(h, f"hidden_states[{i}]", where)
+            if tuple(h.shape) != (T, H):
+                raise ContractViolation(f"{where}: hidden_states[{i}] has shape {tuple(h.shape)}; expected the "
+                                        f"layer's output [T, H] = {[T, H]}")
+        hidden = list(hidden)
+    trace = out.get("trace")
+    if trace is not None:
+        if not isinstance(trace, dict):
+            raise ContractViolation(f"{where}: trace is {type(trace).__name__}, expected a dict of graph nodes "
+                                    f"(spec.model.nodes) to arrays")
+        graph = nodes(config)
+        for node, value in trace.items():
+            if node not in graph:
+                layer = ", ".join(_layer_names(graph))
+                raise ContractViolation(f"{where}: trace node {node!r} does not exist in the graph; its nodes are "
+                                        f"embed, layers.{{i}}.<{layer}> and final_norm, logits (spec.model.nodes)")
+            _array(value, f"trace[{node!r}]", where)
+    return {"logits": logits, "hidden_states": hidden, "trace": trace}
+
+
+def _layer_names(graph) -> list[str]:
+    names = []
+    for node in graph:
+        if node.startswith("layers."):
+            name = node.split(".", 2)[2]
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def check_finite(candidate: dict, ref: dict, where: str) -> None:
+    """NaN in the logits or a hidden state where the reference is finite breaks the contract."""
+    pairs = [("logits", candidate["logits"], ref["logits"])]
+    pairs += [(f"hidden_states[{i}]", c, r) for i, (c, r) in
+              enumerate(zip(candidate.get("hidden_states") or [], ref["hidden_states"]))]
+    for what, c, r in pairs:
+        nan = np.isnan(np.asarray(c, dtype=np.float64)) & np.isfinite(r)
+        if nan.any():
+            at = tuple(int(i) for i in np.argwhere(nan)[0])
+            raise ContractViolation(f"{where}: NaN in {what} at {at} (and {int(nan.sum()) - 1} more) where the "
+                                    f"reference is finite")
 
 
 def relative_error(x, ref) -> float:

@@ -1,5 +1,5 @@
 """What a run measured: per backend x dtype x op the examples, error distribution, worst case and outcome;
-per backend x dtype x relation the outcome; the forward verdicts; what was excused and what broke."""
+per backend x dtype x relation the outcome; the forward and trace verdicts; what was excused and what broke."""
 
 from __future__ import annotations
 
@@ -106,6 +106,7 @@ class Recorder:
         self.records: dict[tuple[str, str, str], OpRecord] = {}
         self.relations: dict[tuple[str, str, str], RelationRecord] = {}
         self.forward: dict[tuple[str, str], object] = {}  # (backend, dtype) -> forward.ForwardVerdict
+        self.traces: dict[tuple[str, str], object] = {}  # (backend, dtype) -> trace.TraceVerdict
         self.excused: dict[tuple[str, str, str], str] = {}  # (backend, dtype, op/relation/"forward") -> reason
         self.problems: list[Problem] = []
 
@@ -160,11 +161,18 @@ class Recorder:
             lines.append(f"{r.backend:<8} {r.dtype:<9} {r.op:<15} {outcome:<15} {r.examples:>8} {r.informative:>7} "
                          f"{r.worst_ulps:>10.3g} {r.budget:>9.3g} {r.headroom:>9.3g}")
         for (backend, dtype), v in sorted(self.forward.items()):
-            worst = max(v.layers, key=lambda e: e[0] / max(e[1], 1e-300), default=(0.0, 0.0))
+            if v.layers:
+                worst = max(v.layers, key=lambda e: e[0] / max(e[1], 1e-300))
+                layers = f"worst layer {worst[0]:.3g} (baseline {worst[1]:.3g})"
+            else:
+                layers = "hidden states not provided"
             outcome = self.outcome(backend, dtype, "forward", "failed" if v.failures else "passed")
             lines.append(f"{backend:<8} {dtype:<9} {'forward':<15} {outcome:<15} "
-                         f"logits rel. error {v.logits[0]:.3g} (baseline {v.logits[1]:.3g}), worst layer "
-                         f"{worst[0]:.3g} (baseline {worst[1]:.3g}), top-1 agreement {v.top1_agreement:.0%}")
+                         f"logits rel. error {v.logits[0]:.3g} (baseline {v.logits[1]:.3g}), {layers}, "
+                         f"top-1 agreement {v.top1_agreement:.0%}")
+        for (backend, dtype), v in sorted(self.traces.items()):
+            outcome = self.outcome(backend, dtype, "trace", "failed" if v.failures else "passed")
+            lines.append(f"{backend:<8} {dtype:<9} {'trace':<15} {outcome:<15} {v.summary()}")
         if self.relations:
             counts = {o: sum(r.outcome == o for r in self.relations.values()) for o in ("passed", "unsupported")}
             lines.append(f"theorems of the spec: {counts['passed']} held, "

@@ -1,4 +1,5 @@
-"""The full 48-layer forward: every backend and dtype against the certified reference and the plain baseline.
+"""The full 48-layer forward: every backend and dtype against the certified reference and the plain baseline,
+and, where the backend's run gives a trace, every node of it on its own (properties/trace.py).
 
 By default on a checkpoint the suite generates in the real layout (fixtures.generate.small_config:
 every feature of the 12B model at a size CI affords); with ``--weights PATH`` on a real checkpoint.
@@ -16,10 +17,11 @@ from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.fixtures import checkpoint, generate
 from gemma4_conformance.spec.model import OPS_USED
 
-from .forward import composed, judge_forward, reference
-from .harness import rerun_command
+from .forward import check_finite, composed, judge_forward, reference
+from .harness import ContractViolation, rerun_command
+from .trace import completed, judge_trace
 
-FORWARD_DTYPES = ("float32", "bfloat16")
+FORWARD_DTYPES = ("float32", "bfloat16", "float16")
 TOKENS = 24  # more than the generated model's sliding window, so the window is exercised
 
 
@@ -45,20 +47,62 @@ def test_reference_is_certified_by_the_oracle(model):
     np.testing.assert_array_equal(certified["logits"], ref["logits"])
 
 
-@pytest.mark.parametrize("forward_dtype", FORWARD_DTYPES)
-def test_forward_matches_reference(request, backend, adapter, forward_dtype, model):
-    if forward_dtype not in adapter.dtypes or forward_dtype not in request.config.conformance_dtypes:
-        pytest.skip(f"{adapter.name} is not tested in {forward_dtype} here")
+@pytest.fixture(scope="session")
+def runs(model):
+    """Each backend's forward in each dtype, run once for the forward and the trace tests: (backend
+    name, dtype) -> its checked output, or the ContractViolation it broke with."""
+    return {}
+
+
+def candidate_run(request, adapter, dtype: str, model, runs) -> dict:
+    """The backend's forward in ``dtype`` (with its trace), run once per session; a contract breach is
+    raised by the test that ran it and makes the other skip, so one breach is reported once."""
+    if dtype not in adapter.dtypes or dtype not in request.config.conformance_dtypes:
+        pytest.skip(f"{adapter.name} is not tested in {dtype} here")
     missing = [op for op in OPS_USED if not hasattr(adapter, op)]
     if missing and not hasattr(adapter, "forward"):
         pytest.skip(f"{adapter.name} has no forward and does not implement {', '.join(missing)}")
+    key = (adapter.name, dtype)
+    if key in runs:
+        if isinstance(runs[key], ContractViolation):
+            pytest.skip(f"{adapter.name}'s forward in {dtype} broke the contract: {runs[key]}")
+        return runs[key]
     weights, tokens, ref = model
-    candidate = composed(adapter, weights.config, weights, tokens, forward_dtype)
+    try:
+        out = composed(adapter, weights.config, weights, tokens, dtype, trace=True)
+        check_finite(out, ref, f"{adapter.name}'s forward in {dtype}")
+    except ContractViolation as e:
+        runs[key] = e
+        raise
+    runs[key] = out
+    return out
+
+
+@pytest.mark.parametrize("forward_dtype", FORWARD_DTYPES)
+def test_forward_matches_reference(request, backend, adapter, forward_dtype, model, runs):
+    candidate = candidate_run(request, adapter, forward_dtype, model, runs)
+    weights, tokens, ref = model
     baseline = composed(numpy_backend, weights.config, weights, tokens, forward_dtype)
     verdict = judge_forward(candidate, baseline, ref, forward_dtype)
     # Deterministic (the generated checkpoint and the tokens are seeded), so the test's id reruns it.
     verdict.rerun = rerun_command(request.node, backend, weights=request.config.getoption("--weights"))
     request.config.conformance_recorder.forward[adapter.name, forward_dtype] = verdict
+    if verdict.failures:
+        pytest.fail("\n".join(verdict.failures) + f"\n  rerun: {verdict.rerun}", pytrace=False)
+
+
+@pytest.mark.parametrize("trace_dtype", FORWARD_DTYPES)
+def test_trace_nodes_match_their_ops(request, backend, adapter, trace_dtype, model, runs):
+    """Every node the backend's run traced, judged on the backend's own inputs to it against its op's
+    budget: the first failing node says which op, in which layer, departs."""
+    candidate = candidate_run(request, adapter, trace_dtype, model, runs)
+    if candidate["trace"] is None:
+        pytest.skip(f"{adapter.name}'s forward returns no trace, so no node can be judged on its own")
+    weights, tokens, _ = model
+    verdict = judge_trace(completed(candidate["trace"], candidate, weights.config), weights.config, weights,
+                          tokens, trace_dtype, where=f"{adapter.name}'s trace in {trace_dtype}")
+    verdict.rerun = rerun_command(request.node, backend, weights=request.config.getoption("--weights"))
+    request.config.conformance_recorder.traces[adapter.name, trace_dtype] = verdict
     if verdict.failures:
         pytest.fail("\n".join(verdict.failures) + f"\n  rerun: {verdict.rerun}", pytrace=False)
 

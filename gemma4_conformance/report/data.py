@@ -5,21 +5,24 @@ as JSON and ``load`` reads one back, checking its schema.  The HTML page (``repo
 from documents only, so reports written on other machines, by other backends or by other versions of
 the suite can be merged into one page.
 
-Schema ``gemma4-conformance-report``, version 3
+Schema ``gemma4-conformance-report``, version 4
 ==============================================
 
 Top level (an object)::
 
     schema       "gemma4-conformance-report"
-    version      3 (an integer; a reader refuses versions it does not know).  Version 2 added
+    version      4 (an integer; a reader refuses versions it does not know).  Version 2 added
                  ``worst_ulps`` and ``forward[i].rerun``, made ``max_ulps`` the largest error of any
                  example (in version 1 it was the worst example's) and the histogram a fraction of
                  each example's budget.  Version 3 added ``results[i].informative``, the outcome
-                 "not established", and the second tier of attention's budgets
+                 "not established", and the second tier of attention's budgets.  Version 4 added
+                 ``traces``
     environment  object: where and with what the run happened (below)
     results      array: one entry per backend x dtype x op that the run recorded (below)
     relations    array: one entry per backend x dtype x theorem of the spec checked (below)
     forward      array: one entry per backend x dtype whose full forward ran (below)
+    traces       array: one entry per backend x dtype whose forward's trace was judged node by node
+                 (below)
     problems     array: the tests that broke rather than failed (below); when not empty the run's
                  verdict is incomplete and it exited 6
     deviations   array: the entries of the known-deviations files the run was given (below)
@@ -123,6 +126,27 @@ means "not measured" (an op with no examples has no error statistics).
                     checkpoint and the tokens are seeded; ``--weights`` is repeated when it was given)
     deviation       as in ``results``; outcome "known deviation" when it excused a failure
 
+``traces[i]`` (sorted by backend, then dtype; properties/trace.py)::
+
+    backend, dtype  as in ``forward``
+    outcome         "passed" (every judged node within its op's budget), "failed" or "known deviation"
+    summary         one line: the first departing node, or that none departs, and how many nodes were
+                    not judged
+    first_departure null when no node failed, else the first failed node in graph order:
+                    {"node", "op", "layer" (an integer, null for embed, final_norm, logits),
+                    "error", "budget" (ULPs of the dtype at the op's scale), "message"}
+    work            oracle multiply-adds spent on each judged node (its sample's size)
+    layers          array, one row per "embed", "layer 0" ... "final": {"where", "nodes", "judged",
+                    "passed", "failed", "not traced", "inputs not traced" (integers), "failed_nodes"
+                    (the failed nodes' names within the layer, e.g. "q_norm")}
+    nodes           array, every node of the graph in graph order: {"node", "op", "outcome" ("passed",
+                    "failed", "not traced": the trace omits it, "inputs not traced": an input was not
+                    traced, so it is not judged), "error", "budget" (null when not judged), "message"
+                    (why it failed, or which inputs were missing; "" when it passed)}
+    failures        array of strings: why the verdict failed (empty when it passed)
+    rerun           the command that reruns this trace's test (deterministic, like the forward's)
+    deviation       as in ``results``
+
 ``relations[i]`` (sorted like ``results``)::
 
     backend, dtype  as in ``results``
@@ -170,7 +194,7 @@ from gemma4_conformance.properties.record import reported
 from gemma4_conformance.spec import CONTRACT, fmt
 
 SCHEMA = "gemma4-conformance-report"
-VERSION = 3
+VERSION = 4
 HISTOGRAM_CAP = 500
 OUTCOMES = ("passed", "failed", "known deviation", "errored", "not established", "unsupported", "not run")
 LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "ml_dtypes", "mpmath", "hypothesis")
@@ -192,6 +216,12 @@ FORWARD_FIELDS = {
     "backend": str, "dtype": str, "outcome": str, "layers": dict, "logits": dict, "top1_agreement": "number",
     "logprob_gap": dict, "factor": "number", "floor": "number", "failures": list, "rerun": str, "deviation": str,
 }
+TRACE_FIELDS = {
+    "backend": str, "dtype": str, "outcome": str, "summary": str, "first_departure": (dict, type(None)),
+    "work": int, "layers": list, "nodes": list, "failures": list, "rerun": str, "deviation": str,
+}
+NODE_FIELDS = {"node": str, "op": str, "outcome": str, "error": "number", "budget": "number", "message": str}
+NODE_OUTCOMES = ("passed", "failed", "not traced", "inputs not traced")
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
@@ -319,6 +349,30 @@ def forward_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dic
     }
 
 
+def _node(n) -> dict:
+    return {"node": n.node, "op": n.op, "outcome": n.outcome, "error": encode(n.error),
+            "budget": encode(n.budget), "message": n.message}
+
+
+def trace_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dict:
+    """One ``traces`` entry from a ``properties.trace.TraceVerdict``."""
+    failures = [str(f) for f in verdict.failures]
+    first = verdict.first_departure
+    return {
+        "backend": backend,
+        "dtype": dtype,
+        "outcome": reported("failed" if failures else "passed", deviation),
+        "summary": verdict.summary(),
+        "first_departure": None if first is None else {**_node(first), "layer": first.layer},
+        "work": int(verdict.work),
+        "layers": [{k: v for k, v in row.items()} for row in verdict.by_layer()],
+        "nodes": [_node(n) for n in verdict.nodes],
+        "failures": failures,
+        "rerun": verdict.rerun,
+        "deviation": deviation,
+    }
+
+
 def document(recorder, env: dict | None = None, deviations=()) -> dict:
     """The report document of a run: ``recorder`` is the plugin's ``properties.record.Recorder``;
     ``env`` is ``environment()``'s dict (collected now when None); ``deviations`` the
@@ -327,6 +381,7 @@ def document(recorder, env: dict | None = None, deviations=()) -> dict:
     records = sorted(recorder.records.values(), key=lambda r: (r.backend, dtype_rank(r.dtype), ops.index(r.op)))
     relations = sorted(recorder.relations.values(), key=lambda r: (r.backend, dtype_rank(r.dtype), r.relation))
     forward = sorted(recorder.forward.items(), key=lambda item: (item[0][0], dtype_rank(item[0][1])))
+    traces = sorted(recorder.traces.items(), key=lambda item: (item[0][0], dtype_rank(item[0][1])))
     excused = recorder.excused
     return {
         "schema": SCHEMA,
@@ -336,6 +391,8 @@ def document(recorder, env: dict | None = None, deviations=()) -> dict:
         "relations": [relation_entry(r, excused) for r in relations],
         "forward": [forward_entry(backend, dtype, v, excused.get((backend, dtype, "forward"), ""))
                     for (backend, dtype), v in forward],
+        "traces": [trace_entry(backend, dtype, v, excused.get((backend, dtype, "trace"), ""))
+                   for (backend, dtype), v in traces],
         "problems": [{"test": p.test, "phase": p.phase, "message": p.message} for p in recorder.problems],
         "deviations": [deviation_entry(e) for e in deviations],
     }
@@ -457,7 +514,7 @@ def _check_fields(entry, fields: dict, where: str, source: str) -> None:
 
 
 def validate(document, source: str = "<document>") -> dict:
-    """Check that ``document`` is a version-1 report; raise ``ReportError`` naming ``source`` otherwise."""
+    """Check that ``document`` is a report of this VERSION; raise ``ReportError`` naming ``source`` otherwise."""
     if not isinstance(document, dict):
         raise ReportError(f"{source}: not a {SCHEMA} (the top level is {type(document).__name__}, "
                           f"expected an object)")
@@ -472,7 +529,7 @@ def validate(document, source: str = "<document>") -> dict:
         raise ReportError(f"{source}: report schema version {version} is {newer} the version this suite reads "
                           f"({VERSION}); render it with the gemma4-conformance that wrote it")
     for key, kind in (("environment", dict), ("results", list), ("relations", list), ("forward", list),
-                      ("problems", list), ("deviations", list)):
+                      ("traces", list), ("problems", list), ("deviations", list)):
         if not isinstance(document.get(key), kind):
             raise ReportError(f"{source}: \"{key}\" is missing or not an {'object' if kind is dict else 'array'}")
     for i, entry in enumerate(document["results"]):
@@ -494,6 +551,13 @@ def validate(document, source: str = "<document>") -> dict:
         for key in ("layers", "logits", "logprob_gap"):
             if not {"candidate", "baseline"} <= set(entry[key]):
                 raise ReportError(f"{source}: forward[{i}].{key} needs \"candidate\" and \"baseline\"")
+    for i, entry in enumerate(document["traces"]):
+        _check_fields(entry, TRACE_FIELDS, f"traces[{i}]", source)
+        for j, node in enumerate(entry["nodes"]):
+            _check_fields(node, NODE_FIELDS, f"traces[{i}].nodes[{j}]", source)
+            if node["outcome"] not in NODE_OUTCOMES:
+                raise ReportError(f"{source}: traces[{i}].nodes[{j}].outcome is {node['outcome']!r}, expected one "
+                                  f"of {NODE_OUTCOMES}")
     return document
 
 

@@ -17,7 +17,9 @@ examples), the spec's theorems (held or not, same layout), the budget slack (per
 budget over the worst error of the tightest passing backend), the passing ops closest to their
 budget with their rerun commands, the error histograms (one chart per backend x dtype, one panel per
 op, each example's error as a fraction of its budget), the full forward (per-layer relative error of
-candidate and baseline, log scale), and each document's environment.
+candidate and baseline, log scale), the trace (per backend and dtype the first departing node and
+every node by layer: a grid of layers x nodes coloured by outcome, with the counts judged, passed,
+failed, not traced and inputs not traced per layer), and each document's environment.
 
 With several documents, a backend that occurs in more than one is labelled ``backend · label``,
 the label being the document's (the file's name for ``gemma4-conformance-report merge``).
@@ -40,6 +42,8 @@ from markupsafe import Markup
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+
+from gemma4_conformance.spec.model import LAYER_NODES
 
 from .data import dtype_rank, number, validate
 
@@ -281,7 +285,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     # carries the document's label.
     seen_in: dict[str, set[int]] = {}
     for i, d in enumerate(documents):
-        for entry in d["results"] + d["forward"]:
+        for entry in d["results"] + d["forward"] + d["traces"]:
             seen_in.setdefault(entry["backend"], set()).add(i)
 
     def label(i: int, backend: str) -> str:
@@ -298,8 +302,9 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
             dtypes.add(r["dtype"])
             cells[i, r["backend"], r["dtype"], r["op"]] = r
     forward = {(i, f["backend"], f["dtype"]): f for i, d in enumerate(documents) for f in d["forward"]}
-    dtypes = sorted(dtypes | {dt for _, _, dt in forward} | {r["dtype"] for d in documents for r in d["relations"]},
-                    key=dtype_rank)
+    trace = {(i, t["backend"], t["dtype"]): t for i, d in enumerate(documents) for t in d["traces"]}
+    dtypes = sorted(dtypes | {dt for _, _, dt in forward} | {dt for _, _, dt in trace}
+                    | {r["dtype"] for d in documents for r in d["relations"]}, key=dtype_rank)
     column_labels = [label(i, b) for i, b in columns]
     counter = itertools.count(1)
 
@@ -325,8 +330,12 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     forward_failures = [{"column": label(i, b), "dtype": dt, "failures": f["failures"], "rerun": command(f["rerun"]),
                          "setting": setting(documents[i]["environment"], b)}
                         for (i, b, dt), f in forward.items() if f["outcome"] == "failed"]
+    trace_failures = [{"column": label(i, b), "dtype": dt, "summary": t["summary"], "failures": t["failures"],
+                       "rerun": command(t["rerun"]),
+                       "setting": setting(documents[i]["environment"], b)}
+                      for (i, b, dt), t in trace.items() if t["outcome"] == "failed"]
     failing_settings = []  # each failing backend's device and math modes, once, above the failures
-    for f in failures + forward_failures:
+    for f in failures + forward_failures + trace_failures:
         if f["setting"] and (f["column"], f["setting"]) not in failing_settings:
             failing_settings.append((f["column"], f["setting"]))
 
@@ -340,6 +349,10 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
             if (i, r["backend"]) not in columns:
                 columns.append((i, r["backend"]))
                 column_labels.append(label(i, r["backend"]))
+    for i, backend, _ in [*forward, *trace]:  # an engine with a forward and no ops still gets its column
+        if (i, backend) not in columns:
+            columns.append((i, backend))
+            column_labels.append(label(i, backend))
     relation_failures = [{"column": label(i, b), "dtype": dt, "relation": name, "outcome": r["outcome"],
                           "ops": ", ".join(r["ops"]), "message": r["message"], "rerun": command(r["rerun"])}
                          for (i, b, dt, name), r in relations.items() if status(r) == "fail"]
@@ -441,6 +454,18 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                         "cls": "warn" if tightest and tightest[0] > SLACK_NOTE else ""})
         slack.append({"op": op, "cells": row})
 
+    trace_row = []
+    for dtype in dtypes:
+        for i, b in columns:
+            t = trace.get((i, b, dtype))
+            if t is None:
+                trace_row.append({"cls": "none", "text": "", "sub": "", "title": "", "href": None})
+                continue
+            first = t["first_departure"]
+            trace_row.append({"cls": status(t), "text": t["outcome"],
+                              "sub": f"first: {first['node']}" if first else "",
+                              "title": f"{b} {dtype} trace: {t['summary']}", "href": "#trace"})
+
     # Passing ops closest to their budget, per column.
     closest = []
     for c, (i, backend) in enumerate(columns):
@@ -472,9 +497,12 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                          if number(f["top1_agreement"]) is not None else "—",
                          "failures": f["failures"]})
 
+    traces = [trace_view(label(i, b), dtype, t, command)
+              for (i, b, dtype), t in sorted(trace.items(), key=lambda kv: (kv[0][0], kv[0][1], dtype_rank(kv[0][2])))]
+
     environments = [{"label": doc_labels[i], "rows": _environment_rows(d["environment"]),
                      "backend_tables": _backend_rows(d["environment"]),
-                     "backends": sorted({r["backend"] for r in d["results"] + d["forward"]})}
+                     "backends": sorted({r["backend"] for r in d["results"] + d["forward"] + d["traces"]})}
                     for i, d in enumerate(documents)]
     n_results = sum(len(d["results"]) for d in documents)
     return {
@@ -487,6 +515,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         "failures": failures,
         "forward_failures": forward_failures,
         "failing_settings": failing_settings,
+        "trace_failures": trace_failures,
         "relation_failures": relation_failures,
         "relation_matrix": relation_matrix,
         "problems": problems,
@@ -495,6 +524,9 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         "conformance": conformance,
         "matrix": matrix,
         "forward_row": forward_row if forward_row and any(c["text"] for c in forward_row) else None,
+        "trace_row": trace_row if any(c["text"] for c in trace_row) else None,
+        "traces": traces,
+        "layer_nodes": list(LAYER_NODES),
         "closest": closest,
         "slack": slack if any(c["text"] for row in slack for c in row["cells"]) else None,
         "slack_note": fmt(SLACK_NOTE),
@@ -504,6 +536,50 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         "warn_headroom": fmt(WARN_HEADROOM),
         "colours": COLOURS,
     }
+
+
+TRACE_CLASSES = {"passed": "ok", "failed": "fail", "not traced": "notrun", "inputs not traced": "unsup"}
+
+
+def _node_cell(node: dict | None) -> dict:
+    """A cell of the trace grid: coloured by outcome (orange: passed with headroom under WARN_HEADROOM),
+    its text the error as a fraction of the budget."""
+    if node is None:
+        return {"cls": "none", "text": "", "title": "no such node on this layer"}
+    error, budget = number(node["error"]), number(node["budget"])
+    ratio = error / budget if error is not None and budget else None
+    cls = TRACE_CLASSES[node["outcome"]]
+    if cls == "ok" and ratio is not None and ratio * WARN_HEADROOM > 1:
+        cls = "warn"
+    title = f"{node['node']} ({node['op']}): {node['outcome']}"
+    if ratio is not None:
+        title += f", {fmt(error)} ULPs against a budget of {fmt(budget)}"
+    if node["message"]:
+        title += f"; {node['message']}"
+    text = fmt(ratio) if ratio is not None else {"not traced": "—", "inputs not traced": "·"}.get(node["outcome"], "")
+    return {"cls": cls, "text": text, "title": title}
+
+
+def trace_view(column: str, dtype: str, entry: dict, command) -> dict:
+    """One trace for the page: the first departing node, and a row per layer of node cells and counts."""
+    by_node = {n["node"]: n for n in entry["nodes"]}
+    rows = []
+    for row in entry["layers"]:
+        where = row["where"]
+        if where.startswith("layer "):
+            prefix = f"layers.{where.split()[1]}."
+            cells = [_node_cell(by_node.get(prefix + name)) for name in LAYER_NODES]
+        else:  # embed, or final: their nodes in the first columns
+            own = [n for n in entry["nodes"] if not n["node"].startswith("layers.")
+                   and (n["node"] == "embed") == (where == "embed")]
+            cells = [{**_node_cell(n), "text": n["node"]} for n in own]
+            cells += [_node_cell(None)] * (len(LAYER_NODES) - len(cells))
+        rows.append({"where": where, "cells": cells, "counts": row})
+    first = entry["first_departure"]
+    return {"column": column, "dtype": dtype, "outcome": entry["outcome"], "summary": entry["summary"],
+            "first": first and {**first, "error": fmt(first["error"]), "budget": fmt(first["budget"])},
+            "rerun": command(entry["rerun"]), "rows": rows, "work": entry["work"],
+            "open": entry["outcome"] == "failed"}
 
 
 @cache

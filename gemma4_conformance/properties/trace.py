@@ -1,0 +1,272 @@
+"""Per-node verdicts from an engine's trace: where, op by op, a forward departs from the spec.
+
+An engine's forward may return a *trace*, its own intermediate at nodes of the spec's graph
+(spec.model.nodes: ``embed``, ``layers.{i}.q_proj``, ..., ``final_norm``, ``logits``).  Each traced
+node is judged on its own, as an op-level test would judge it: the node's op applied by the oracle
+to the engine's *own* inputs to that node, against that op's budget in the dtype under test
+(harness.assess).  Errors do not compound, so the first failing node names the op, the layer and
+the dtype where the engine departs.
+
+How (``judge_trace``):
+
+1. *Replay*.  spec.model.forward runs with ``Replay`` as its ops object: at every op call it returns
+   the trace's array for that node (reshaped, in row-major order, to the graph's array) and records
+   the call with its arguments, which are therefore the engine's own values: earlier nodes' traced
+   outputs, and the checkpoint's weights as the dtype under test sees them.  There is one graph;
+   nothing here re-describes the forward.  A size that does not fit the node is a contract breach,
+   found before anything is judged.  The forward's ``logits`` stand for the node ``logits`` and
+   ``hidden_states[i]`` for ``layers.{i}.layer_scalar`` when the trace omits them: they are the
+   engine's own outputs at those nodes.
+2. *Judge*.  Each recorded call is assessed on a sample of its outputs (the op table's samplers),
+   seeded by its place in the graph, with NODE_WORK multiply-adds of oracle work; an attention node
+   also on its last query, which sees the most keys and, past the sliding window, the window's edge,
+   where a drawn query may be an early one that sees neither.
+
+A node the trace omits is **not traced**.  The graph still needs a value there to go on, so the
+replay puts zeros of the node's shape, marked as untraced; a node with any such input is **inputs
+not traced** and is not judged either: judging it on a stand-in would blame it for what the
+untraced node did (an engine whose q_norm is wrong would have its RoPE fail on inputs it never
+saw).  The chain resumes at the next traced node, whose inputs are traced again.  So a departure in
+an untraced node cannot be located, only bracketed: the verdict names the nodes it could not judge.
+
+Dtypes.  An engine may keep some intermediates wider than the dtype under test (llama.cpp keeps
+every activation in float32 in a bf16 model; torch upcasts norms).  The oracle takes any input
+exactly, so a wider traced value is simply a more precise input; the output's error is counted in
+ULPs *of the dtype under test* at the op's scale, against that dtype's budget, whatever dtype the
+engine stored it in.
+
+Cost.  The oracle is slow (mpmath, about 4000 output coordinates a second including the exact
+rounding and the error in ULPs, the machine shared), so each node is judged on about one row (one
+query and KV head for attention, a dozen columns of one row for a projection): NODE_WORK = 1000
+multiply-adds.  The 955 nodes of the generated 48-layer model at 24 tokens then take ~15 s per
+engine and dtype on this 2-core machine; raise NODE_WORK as the oracle gets faster.  Every node is
+judged (not only up to the first failure), so the table by layer shows how far a departure spreads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gemma4_conformance.spec import CONTRACT, fmt
+from gemma4_conformance.spec.model import forward, nodes
+
+from .harness import ContractViolation, assess
+
+NODE_WORK = 1_000  # oracle multiply-adds per judged node (see "Cost" above)
+
+PASSED, FAILED, NOT_TRACED, INPUTS_NOT_TRACED = "passed", "failed", "not traced", "inputs not traced"
+OUTCOMES = (PASSED, FAILED, NOT_TRACED, INPUTS_NOT_TRACED)
+
+
+class Untraced(np.ndarray):
+    """The stand-in for a node the trace omits (zeros of its shape); views and reshapes keep the mark."""
+
+    node: str | None = None
+
+    def __array_finalize__(self, obj):
+        self.node = getattr(obj, "node", None)
+
+
+def _stand_in(shape, dtype, node: str) -> Untraced:
+    out = np.zeros(shape, dtype).view(Untraced)
+    out.node = node
+    return out
+
+
+@dataclass
+class Call:
+    """One op call of the replayed graph: its node, op, arguments (the engine's values) and output."""
+
+    node: str
+    op: str
+    args: tuple
+    out: np.ndarray
+    traced: bool
+    untraced_inputs: tuple[str, ...]
+
+
+class Replay:
+    """The ops object of the replay: each node's value is the engine's traced array (module docstring)."""
+
+    name = "trace replay"
+
+    def __init__(self, trace: dict, dtype: str, vocab: int, where: str):
+        self.trace, self.dtype, self.vocab, self.where = trace, dtype, vocab, where
+        self.calls: list[Call] = []
+        self.columns: dict[str, int] = {}  # node -> columns of its trace used so far (the LM head's chunks)
+
+    def weight(self, array):
+        return np.asarray(array).astype(fmt(self.dtype).dtype)
+
+    def op(self, node, name, *args):
+        shape = CONTRACT[name].output_shape(*args)
+        untraced = tuple(sorted({a.node for a in args if isinstance(a, Untraced)}))
+        if node in self.trace:
+            out = self._traced(node, shape)
+        else:
+            out = _stand_in(shape, fmt(self.dtype).dtype, node)
+        self.calls.append(Call(node, name, args, out, node in self.trace, untraced))
+        return out
+
+    def _traced(self, node, shape) -> np.ndarray:
+        value = self.trace[node]
+        if node != "logits":
+            if value.size != int(np.prod(shape)):
+                raise ContractViolation(f"{self.where}: trace node {node!r} has {value.size} values "
+                                        f"(shape {tuple(value.shape)}); expected {int(np.prod(shape))}, the graph's "
+                                        f"{list(shape)} or any reshape of it in row-major order")
+            return np.asarray(value).reshape(shape)
+        # The LM head is called once per vocabulary chunk: its trace is [T, V], sliced by columns.
+        rows, n = shape[:-1], shape[-1]
+        total = int(np.prod(rows)) * self.vocab
+        if value.size != total:
+            raise ContractViolation(f"{self.where}: trace node 'logits' has {value.size} values (shape "
+                                    f"{tuple(value.shape)}); expected {total}, [T, V] = {[*rows, self.vocab]}")
+        start = self.columns.get(node, 0)
+        self.columns[node] = start + n
+        return np.asarray(value).reshape(*rows, self.vocab)[..., start:start + n]
+
+
+@dataclass
+class NodeVerdict:
+    """One node's outcome: passed or failed against its op's budget, or not judged (and why)."""
+
+    node: str
+    op: str
+    outcome: str  # one of OUTCOMES
+    error: float | None = None  # largest error, ULPs of the dtype at the op's scale (judged nodes)
+    budget: float | None = None  # the op's budget for this node's dimensions, same unit
+    message: str = ""  # why it failed, or which inputs were not traced
+
+    @property
+    def layer(self) -> int | None:
+        return int(self.node.split(".")[1]) if self.node.startswith("layers.") else None
+
+    @property
+    def where(self) -> str:
+        """The node's row in the table by layer: ``embed``, ``layer 7`` or ``final``."""
+        if self.layer is not None:
+            return f"layer {self.layer}"
+        return "embed" if self.node == "embed" else "final"
+
+
+@dataclass
+class TraceVerdict:
+    """Every node of the graph for one engine and dtype, in graph order."""
+
+    dtype: str
+    nodes: list[NodeVerdict]
+    work: int = NODE_WORK
+    rerun: str = ""  # the command that reruns the forward and this verdict (set by the test)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def first_departure(self) -> NodeVerdict | None:
+        return next((n for n in self.nodes if n.outcome == FAILED), None)
+
+    def counts(self) -> dict[str, int]:
+        return {o: sum(n.outcome == o for n in self.nodes) for o in OUTCOMES}
+
+    def by_layer(self) -> list[dict]:
+        """Rows ``embed``, ``layer 0`` ... ``final``: nodes, judged, passed, failed, not traced, inputs not traced."""
+        rows: dict[str, dict] = {}
+        for n in self.nodes:
+            row = rows.setdefault(n.where, {"where": n.where, "nodes": 0, "judged": 0,
+                                            **{o: 0 for o in OUTCOMES}, "failed_nodes": []})
+            row["nodes"] += 1
+            row[n.outcome] += 1
+            row["judged"] += n.outcome in (PASSED, FAILED)
+            if n.outcome == FAILED:
+                row["failed_nodes"].append(n.node.rsplit(".", 1)[-1])
+        return list(rows.values())
+
+    def summary(self) -> str:
+        """One line: the first departing node, or that none of the judged nodes departs."""
+        c = self.counts()
+        judged = c[PASSED] + c[FAILED]
+        first = self.first_departure
+        head = (f"first departing node {first.node} ({first.op}, {self.dtype}): {first.error:.3g} ULPs > budget "
+                f"{first.budget:.3g}" if first else f"no node departs ({judged} judged)")
+        rest = f"{c[FAILED]} of {judged} judged nodes failed" if first else ""
+        unjudged = c[NOT_TRACED] + c[INPUTS_NOT_TRACED]
+        tail = f"{unjudged} not judged ({c[NOT_TRACED]} not traced, {c[INPUTS_NOT_TRACED]} with inputs not traced)" \
+            if unjudged else ""
+        return "; ".join(part for part in (head, rest, tail) if part)
+
+
+def replay(trace: dict, config, weights, tokens, dtype: str, where: str = "trace") -> list[Call]:
+    """Every op call of the graph with the trace's values (module docstring, step 1); a size that does
+    not fit its node raises ContractViolation."""
+    graph = nodes(config)
+    unknown = sorted(set(trace) - set(graph))
+    if unknown:
+        raise ContractViolation(f"{where}: trace node(s) {unknown} do not exist in the graph (spec.model.nodes)")
+    ops = Replay(trace, dtype, config.vocab_size, where)
+    forward(ops, config, weights, np.asarray(tokens, dtype=np.int64))
+    return ops.calls
+
+
+def completed(trace: dict | None, out: dict, config) -> dict:
+    """The trace with the forward's own outputs standing for the nodes they are: ``logits`` and, per
+    layer, ``hidden_states[i]`` for ``layers.{i}.layer_scalar``, where the trace omits them."""
+    full = dict(trace or {})
+    full.setdefault("logits", out["logits"])
+    for i, h in enumerate(out.get("hidden_states") or []):
+        full.setdefault(f"layers.{config.layers[i].index}.layer_scalar", h)
+    return full
+
+
+def judge_trace(trace: dict, config, weights, tokens, dtype: str, work: int = NODE_WORK,
+                where: str = "trace") -> TraceVerdict:
+    """Replay ``trace`` through the graph and judge every node on the engine's own inputs (module docstring)."""
+    calls = replay(trace, config, weights, tokens, dtype, where)
+    verdicts: dict[str, NodeVerdict] = {}
+    for index, c in enumerate(calls):
+        if not c.traced:
+            v = NodeVerdict(c.node, c.op, NOT_TRACED, message="the engine's trace omits it")
+        elif c.untraced_inputs:
+            v = NodeVerdict(c.node, c.op, INPUTS_NOT_TRACED,
+                            message=f"its input(s) {', '.join(c.untraced_inputs)} were not traced")
+        else:
+            v = _judge(c, dtype, index, work)
+        if c.node in verdicts:  # the LM head's chunks: one node, the worst chunk
+            v = _worse(verdicts[c.node], v)
+        verdicts[c.node] = v
+    verdict = TraceVerdict(dtype, list(verdicts.values()), work)
+    first = verdict.first_departure
+    if first is not None:
+        verdict.failures.append(f"trace: {verdict.summary()}: {first.message}")
+    return verdict
+
+
+ATTENTION = ("sliding_gqa", "causal_gqa")
+
+
+def _judge(c: Call, dtype: str, seed: int, work: int) -> NodeVerdict:
+    """The node's op on a sample of the call's outputs; an attention node also on its last query, which
+    sees the most keys and, past the window, the window's edge (a drawn query may be an early one)."""
+    samples = [(c.args, c.out)]
+    if c.op in ATTENTION:
+        *head, pos, q, k, v = c.args
+        last = int(np.argmax(pos))
+        samples.append(((*head, pos[last:last + 1], q[last:last + 1], k, v), c.out[last:last + 1]))
+    verdict = None
+    for args, out in samples:
+        judged = assess(c.op, args, out, dtype, seed=seed, work=work)
+        node = NodeVerdict(c.node, c.op, FAILED if judged.failures else PASSED, judged.max_error, judged.budget,
+                           "; ".join(judged.failures))
+        verdict = node if verdict is None else _worse(verdict, node)
+    return verdict
+
+
+_RANK = {PASSED: 0, INPUTS_NOT_TRACED: 1, NOT_TRACED: 2, FAILED: 3}
+
+
+def _worse(a: NodeVerdict, b: NodeVerdict) -> NodeVerdict:
+    if _RANK[a.outcome] != _RANK[b.outcome]:
+        return a if _RANK[a.outcome] > _RANK[b.outcome] else b
+    if a.error is None or b.error is None:
+        return a
+    return a if a.error / a.budget >= b.error / b.budget else b

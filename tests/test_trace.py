@@ -1,0 +1,112 @@
+"""Per-node verdicts from a trace (properties/trace.py): a correct engine passes every node, a wrong op is
+named first with its layer, and an untraced node is reported as such without blaming another."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+
+from gemma4_conformance.adapters import load, numpy_backend
+from gemma4_conformance.properties.forward import composed
+from gemma4_conformance.properties.trace import (
+    FAILED,
+    INPUTS_NOT_TRACED,
+    NOT_TRACED,
+    PASSED,
+    completed,
+    judge_trace,
+)
+from tests.trace_engines import WRONG_OPS, OneWrongNode, small_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return small_model(tmp_path_factory.mktemp("trace"))
+
+
+def trace_of(adapter, model, dtype, config=None):
+    weights, tokens, _ = model
+    config = config or weights.config
+    out = composed(adapter, config, weights, tokens, dtype, trace=True)
+    return completed(out["trace"], out, config)
+
+
+def outcomes(verdict) -> dict:
+    return {n.node: n.outcome for n in verdict.nodes}
+
+
+BACKENDS = ["numpy"] + [name for name in ("torch",) if importlib.util.find_spec(name)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_correct_engines_trace_passes_every_node(backend, model):
+    weights, tokens, _ = model
+    verdict = judge_trace(trace_of(load(backend), model, "bfloat16"), weights.config, weights, tokens, "bfloat16")
+    assert set(outcomes(verdict).values()) == {PASSED}, verdict.summary()
+    assert len(verdict.nodes) == len({n.node for n in verdict.nodes}) > 200 and not verdict.failures
+
+
+@pytest.mark.parametrize("engine, dtype, eps, first, op", WRONG_OPS, ids=[e[0].name for e in WRONG_OPS])
+def test_a_wrong_op_is_named_first_with_its_layer(engine, dtype, eps, first, op, model):
+    weights, tokens, _ = model
+    config = weights.config if eps is None else dataclasses.replace(weights.config, eps=eps)
+    verdict = judge_trace(trace_of(engine, model, dtype, config), config, weights, tokens, dtype)
+    departure = verdict.first_departure
+    assert departure is not None and (departure.node, departure.op) == (first, op), verdict.summary()
+    assert departure.layer == 0 and departure.error > departure.budget
+    # Each node is judged on the engine's own inputs, so the error does not compound into other ops.
+    assert {n.op for n in verdict.nodes if n.outcome == FAILED} == {op}
+    assert verdict.failures and first in verdict.failures[0]
+
+
+def _q_norm_one_plus_w(eps, x, w):
+    return numpy_backend.rmsnorm_offset(eps, x, w)
+
+
+WRONG_NODE = "layers.3.q_norm"
+
+
+def test_one_wrong_node_is_the_only_one_that_fails(model):
+    weights, tokens, _ = model
+    out = OneWrongNode(WRONG_NODE, _q_norm_one_plus_w).run(weights.config, weights, tokens, "bfloat16")
+    verdict = judge_trace(completed(out["trace"], out, weights.config), weights.config, weights, tokens, "bfloat16")
+    assert [n.node for n in verdict.nodes if n.outcome == FAILED] == [WRONG_NODE]
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["correct engine", "the untraced node wrong"])
+def test_an_untraced_node_is_reported_and_never_blamed_on_its_consumers(wrong, model):
+    """Without layers.3.q_norm in the trace, q_rope's input is unknown: judging it on a stand-in would
+    blame it for q_norm's error, so it is not judged; every other node is, on the engine's own values."""
+    weights, tokens, _ = model
+    if wrong:
+        out = OneWrongNode(WRONG_NODE, _q_norm_one_plus_w).run(weights.config, weights, tokens, "bfloat16")
+        trace = completed(out["trace"], out, weights.config)
+    else:
+        trace = trace_of(numpy_backend, model, "bfloat16")
+    del trace[WRONG_NODE]
+    verdict = judge_trace(trace, weights.config, weights, tokens, "bfloat16")
+    got = outcomes(verdict)
+    assert got.pop(WRONG_NODE) == NOT_TRACED
+    assert got.pop("layers.3.q_rope") == INPUTS_NOT_TRACED
+    assert set(got.values()) == {PASSED}, verdict.summary()  # the wrong q_norm is blamed on nothing
+    assert verdict.first_departure is None and "1 not traced, 1 with inputs not traced" in verdict.summary()
+
+
+def test_the_lm_heads_chunks_are_one_node(model, monkeypatch):
+    """The graph calls the LM head once per VOCAB_CHUNK columns, all as node "logits": the replay slices
+    the traced [T, V] by columns and the node is judged once, on every chunk."""
+    from gemma4_conformance.spec import model as graph
+    monkeypatch.setattr(graph, "VOCAB_CHUNK", 200)  # 512 = 200 + 200 + 112
+    weights, tokens, _ = model
+    full = trace_of(numpy_backend, model, "float32")
+    assert full["logits"].shape == (len(tokens), weights.config.vocab_size)
+    last = f"layers.{weights.config.num_layers - 1}.layer_scalar"
+    trace = {node: full[node] for node in (last, "final_norm", "logits")}  # only the head is judged
+    broken = dict(trace, logits=trace["logits"].copy())
+    broken["logits"][:, 400:] += 1.0  # the last chunk
+    verdicts = [judge_trace(t, weights.config, weights, tokens, "float32", work=50_000) for t in (trace, broken)]
+    assert [outcomes(v)["logits"] for v in verdicts] == [PASSED, FAILED]
+    assert [n.node for n in verdicts[1].nodes].count("logits") == 1
+    assert verdicts[1].first_departure.node == "logits"
