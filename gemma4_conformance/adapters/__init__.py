@@ -17,7 +17,8 @@ An op the adapter lacks is *unsupported*: the suite skips it and says so.  A mod
 shows both per backend); ``transfer_seconds``, a running total of the seconds spent moving arrays to
 and from the device, lets the suite split the backend's time.
 
-``load(spec)`` resolves, in order: a built-in name (``numpy``, ``torch``, ``jax``); a name registered
+``load(spec)`` resolves, in order: a built-in name (``numpy``, ``torch``, ``torch-sdpa``, ``jax``, ``jax-sdpa``,
+``transformers``, ``transformers-eager``); a name registered
 by an installed package under the entry-point group ``gemma4_conformance.adapters``; or a module
 path, optionally ``module:attribute``.  The object found may be the adapter itself, a class, or a factory, which
 is called with no arguments.
@@ -50,6 +51,9 @@ BUILTINS = {
     "torch-sdpa": ("gemma4_conformance.adapters.torch_sdpa:backend", "torch", "torch"),
     "jax": ("gemma4_conformance.adapters.jax_backend:backend", "jax", "jax"),
     "jax-sdpa": ("gemma4_conformance.adapters.jax_sdpa:backend", "jax", "jax"),
+    # transformers' own Gemma 4: sdpa attention (its default on CPU), and eager attention
+    "transformers": ("gemma4_conformance.adapters.transformers_backend:Adapter", "transformers", "transformers"),
+    "transformers-eager": ("gemma4_conformance.adapters.transformers_backend:eager", "transformers", "transformers"),
 }
 ENTRY_POINT_GROUP = "gemma4_conformance.adapters"
 DTYPES = ("float64", "float32", "bfloat16", "float16")
