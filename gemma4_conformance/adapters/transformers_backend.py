@@ -159,9 +159,10 @@ class Adapter:
         x = self._t(x)
         position_ids = torch.as_tensor(np.asarray(pos, dtype=np.int64), device=self.device)
         cos, sin = _rotary(theta, denom, active).to(self.device)(x, position_ids, "full_attention")
-        # HF's cos/sin are [..., denom], the frequencies twice: the first `half` of each copy pair i with i + half.
+        # HF's cos/sin are [..., denom], its denom / 2 frequencies twice; the rotated pairs (i, i + half)
+        # take the first `half` of them, twice. unsqueeze_dim=0 gives cos the leading axis of x[None].
         cos, sin = (torch.cat((c[..., :half], c[..., :half]), dim=-1) for c in (cos, sin))
-        rotated = hf.apply_rotary_pos_emb(x[None, ..., :2 * half], cos, sin, unsqueeze_dim=0)[0]  # cos gains the leading axis
+        rotated = hf.apply_rotary_pos_emb(x[None, ..., :2 * half], cos, sin, unsqueeze_dim=0)[0]
         return self._out(torch.cat((rotated, x[..., 2 * half:]), dim=-1))
 
     def rope_std(self, theta, rot, pos, x):
