@@ -77,7 +77,8 @@ def pytest_addoption(parser):
     group.addoption("--known-deviations", action="append", default=[], metavar="FILE",
                     help="a YAML file of a backend's accepted deviations (backend; op, dtype, reason per "
                          "entry): those tests still run and are reported, but do not fail the run. "
-                         "Repeat for several backends.")
+                         "A name instead of a file takes the one the suite ships for that engine "
+                         "(gemma4_conformance/deviations/NAME.yaml). Repeat for several backends.")
     group.addoption("--report-html", default="reports/conformance.html",
                     help="where to write the HTML tolerance report (default: reports/conformance.html; "
                          "'' for none)")

@@ -184,6 +184,19 @@ def test_a_malformed_deviations_file_is_refused_naming_the_file_and_entry(tmp_pa
     assert str(path) in str(error.value) and message in str(error.value)
 
 
+def test_a_shipped_deviations_file_is_passed_by_its_name(tmp_path, monkeypatch):
+    from gemma4_conformance.properties import deviations
+    monkeypatch.setattr(deviations, "SHIPPED", tmp_path)
+    (tmp_path / "someengine.yaml").write_text("backend: someengine\ndeviations:\n"
+                                              "  - {op: rope, dtype: float16, reason: fp16 angles}\n")
+    [entry] = Deviations.load(["someengine"]).entries
+    assert (entry.backend, entry.op, entry.file) == ("someengine", "rope", str(tmp_path / "someengine.yaml"))
+    with pytest.raises(DeviationsError, match=r"otherengine: neither a file nor .* \(shipped: someengine\)"):
+        Deviations.load(["otherengine"])
+    with pytest.raises(DeviationsError, match="cannot read"):  # a path stays a path
+        Deviations.load([str(tmp_path / "missing.yaml")])
+
+
 def test_only_a_failure_beyond_budget_counts_as_nonconformance():
     assert not is_broken(pytest.fail.Exception("beyond budget"))
     assert is_broken(RuntimeError("kernel"))

@@ -86,6 +86,7 @@ class Adapter:
     """transformers' Gemma 4 (module docstring); ``attention``: ``sdpa`` or ``eager``; ``device``: a torch device."""
 
     dtypes = ("float32", "bfloat16", "float16")
+    version = f"transformers {VERSION}"
 
     def __init__(self, attention: str = "sdpa", device: str = "cpu"):
         if attention not in ATTENTION:

@@ -7,6 +7,10 @@
         dtype: float16
         reason: fp16 RoPE angles; tracked in myengine#123
 
+The suite ships the known deviations it has measured and explained for real engines in
+``gemma4_conformance/deviations/NAME.yaml``; ``--known-deviations=NAME`` (a value that is not a file)
+passes that one, so an engine's CI takes the suite's explained findings by name.
+
 A matching test still runs and is reported with its error; if it fails beyond its budget it is an
 expected failure (the report shows it as a known deviation, with the reason) and does not fail the
 run. An adapter that raises or breaks the contract is never excused. An entry that matches no test
@@ -27,6 +31,7 @@ from gemma4_conformance.spec import OP_NAMES
 from .relations import RELATIONS
 
 FORWARD = "forward"
+SHIPPED = Path(__file__).resolve().parent.parent / "deviations"  # NAME.yaml: measured and explained in README.md
 TRACE = "trace"  # the per-node verdicts of a forward's trace (properties/trace.py)
 
 
@@ -80,7 +85,7 @@ class Deviations:
 
     @classmethod
     def load(cls, paths: list[str]) -> Deviations:
-        return cls([entry for path in paths for entry in _read(Path(path))])
+        return cls([entry for path in paths for entry in _read(_located(path))])
 
     def entry_for(self, item) -> Deviation | None:
         found = subject(item)
@@ -117,6 +122,22 @@ class Deviations:
             else:
                 lines.append(f"excused: {where}: {e.reason}")
         return lines
+
+
+def shipped() -> list[str]:
+    """The names of the known-deviations files the suite ships."""
+    return sorted(p.stem for p in SHIPPED.glob("*.yaml"))
+
+
+def _located(value: str) -> Path:
+    """A known-deviations file: the path given, or the shipped file of that name."""
+    path = Path(value)
+    if path.exists() or path.suffix in (".yaml", ".yml") or "/" in value:
+        return path
+    if (SHIPPED / f"{value}.yaml").is_file():
+        return SHIPPED / f"{value}.yaml"
+    raise DeviationsError(f"{value}: neither a file nor a known-deviations file shipped with the suite "
+                          f"(shipped: {', '.join(shipped()) or 'none'})")
 
 
 def _read(path: Path) -> list[Deviation]:

@@ -43,7 +43,7 @@ means "not measured" (an op with no examples has no error statistics).
                    "torch cuda:0 NVIDIA H200"; empty when none, or when no library that can see one
                    was imported by the run
     libraries      object: library name -> installed version, for those of numpy, torch, jax,
-                   jaxlib, ml_dtypes, mpmath, hypothesis that are installed
+                   jaxlib, transformers, ml_dtypes, mpmath, hypothesis that are installed
     date           when the document was made, ISO 8601 in UTC, e.g. "2025-11-30T06:20:00+00:00"
     backends       object (optional; absent in documents from before it): adapter name -> where that
                    backend ran and how it rounds, from its ``environment()`` when it has one:
@@ -197,7 +197,7 @@ SCHEMA = "gemma4-conformance-report"
 VERSION = 4
 HISTOGRAM_CAP = 500
 OUTCOMES = ("passed", "failed", "known deviation", "errored", "not established", "unsupported", "not run")
-LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "ml_dtypes", "mpmath", "hypothesis")
+LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "transformers", "ml_dtypes", "mpmath", "hypothesis")
 
 RESULT_FIELDS = {
     "backend": str, "dtype": str, "op": str, "outcome": str, "examples": int, "informative": int, "worst_ulps": "number",
