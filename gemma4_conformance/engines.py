@@ -84,10 +84,11 @@ def rows(documents: list[dict], versions: dict[str, str]) -> list[dict]:
                 known = [r["op"] for r in ops if r["outcome"] == "known deviation"]
                 relations = [r for r in mine("relations") if r["outcome"] != "unsupported"]
                 forward, trace = (mine("forward") or [None])[0], (mine("traces") or [None])[0]
+                passed = f"{len(ops) - len(bad) - len(known)}/{len(ops)}"
                 out.append({
                     "engine": backend, "version": versions.get(backend, ""), "dtype": dtype,
-                    "ops": f"{len(ops) - len(bad) - len(known)}/{len(ops)}" + (f", failed: {', '.join(bad)}" if bad else "")
-                           + (f", known deviation: {', '.join(known)}" if known else ""),
+                    "ops": passed + (f", failed: {', '.join(bad)}" if bad else "")
+                    + (f", known deviation: {', '.join(known)}" if known else ""),
                     "theorems": f"{sum(r['outcome'] == 'passed' for r in relations)}/{len(relations)}",
                     "forward": _forward(forward), "trace": _trace(trace),
                     "broke": sum(f"{backend}-{dtype}" in p["test"] for p in doc["problems"]),
