@@ -139,6 +139,7 @@ class NodeVerdict:
     error: float | None = None  # largest error, ULPs of the dtype at the op's scale (judged nodes)
     budget: float | None = None  # the op's budget for this node's dimensions, same unit
     message: str = ""  # why it failed, or which inputs were not traced
+    informative: bool = True  # its budget excludes trivially wrong answers (zeros, the sign flipped, ...)
 
     @property
     def layer(self) -> int | None:
@@ -190,10 +191,12 @@ class TraceVerdict:
         head = (f"first departing node {first.node} ({first.op}, {self.dtype}): {first.error:.3g} ULPs > budget "
                 f"{first.budget:.3g}" if first else f"no node departs ({judged} judged)")
         rest = f"{c[FAILED]} of {judged} judged nodes failed" if first else ""
+        weak = sum(n.outcome == PASSED and not n.informative for n in self.nodes)
+        weak = f"{weak} passed where their budget admits a trivially wrong answer (zeros, ...)" if weak else ""
         unjudged = c[NOT_TRACED] + c[INPUTS_NOT_TRACED]
         tail = f"{unjudged} not judged ({c[NOT_TRACED]} not traced, {c[INPUTS_NOT_TRACED]} with inputs not traced)" \
             if unjudged else ""
-        return "; ".join(part for part in (head, rest, tail) if part)
+        return "; ".join(part for part in (head, rest, weak, tail) if part)
 
 
 def replay(trace: dict, config, weights, tokens, dtype: str, where: str = "trace") -> list[Call]:
@@ -255,8 +258,9 @@ def _judge(c: Call, dtype: str, seed: int, work: int) -> NodeVerdict:
     verdict = None
     for args, out in samples:
         judged = assess(c.op, args, out, dtype, seed=seed, work=work)
-        node = NodeVerdict(c.node, c.op, FAILED if judged.failures else PASSED, judged.max_error, judged.budget,
-                           "; ".join(judged.failures))
+        error, budget = judged.worst  # the tier with the least headroom (attention has two)
+        node = NodeVerdict(c.node, c.op, FAILED if judged.failures else PASSED, error, budget,
+                           "; ".join(judged.failures), judged.informative)
         verdict = node if verdict is None else _worse(verdict, node)
     return verdict
 

@@ -141,8 +141,10 @@ means "not measured" (an op with no examples has no error statistics).
                     (the failed nodes' names within the layer, e.g. "q_norm")}
     nodes           array, every node of the graph in graph order: {"node", "op", "outcome" ("passed",
                     "failed", "not traced": the trace omits it, "inputs not traced": an input was not
-                    traced, so it is not judged), "error", "budget" (null when not judged), "message"
-                    (why it failed, or which inputs were missing; "" when it passed)}
+                    traced, so it is not judged), "error", "budget" (null when not judged; for
+                    attention the tier with the least headroom), "message" (why it failed, or which
+                    inputs were missing; "" when it passed), "informative" (false when the node's
+                    budget would also admit a trivially wrong answer there, as ``results``' examples)}
     failures        array of strings: why the verdict failed (empty when it passed)
     rerun           the command that reruns this trace's test (deterministic, like the forward's)
     deviation       as in ``results``
@@ -220,7 +222,8 @@ TRACE_FIELDS = {
     "backend": str, "dtype": str, "outcome": str, "summary": str, "first_departure": (dict, type(None)),
     "work": int, "layers": list, "nodes": list, "failures": list, "rerun": str, "deviation": str,
 }
-NODE_FIELDS = {"node": str, "op": str, "outcome": str, "error": "number", "budget": "number", "message": str}
+NODE_FIELDS = {"node": str, "op": str, "outcome": str, "error": "number", "budget": "number", "message": str,
+               "informative": bool}
 NODE_OUTCOMES = ("passed", "failed", "not traced", "inputs not traced")
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
@@ -351,7 +354,7 @@ def forward_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dic
 
 def _node(n) -> dict:
     return {"node": n.node, "op": n.op, "outcome": n.outcome, "error": encode(n.error),
-            "budget": encode(n.budget), "message": n.message}
+            "budget": encode(n.budget), "message": n.message, "informative": bool(n.informative)}
 
 
 def trace_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dict:
@@ -506,7 +509,10 @@ def _check_fields(entry, fields: dict, where: str, source: str) -> None:
         if key not in entry:
             raise ReportError(f"{source}: {where} lacks the field {key!r}")
         value = entry[key]
-        ok = _is_number(value) if kind == "number" else isinstance(value, kind) and not isinstance(value, bool)
+        if kind == "number":
+            ok = _is_number(value)
+        else:
+            ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
         if not ok:
             expected = "a number, null, or \"inf\"/\"-inf\"/\"nan\"" if kind == "number" else \
                 " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))

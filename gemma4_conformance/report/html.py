@@ -554,6 +554,8 @@ def _node_cell(node: dict | None) -> dict:
     title = f"{node['node']} ({node['op']}): {node['outcome']}"
     if ratio is not None:
         title += f", {fmt(error)} ULPs against a budget of {fmt(budget)}"
+    if node["outcome"] == "passed" and not node["informative"]:
+        title += " (not informative: its budget admits a trivially wrong answer here)"
     if node["message"]:
         title += f"; {node['message']}"
     text = fmt(ratio) if ratio is not None else {"not traced": "—", "inputs not traced": "·"}.get(node["outcome"], "")
