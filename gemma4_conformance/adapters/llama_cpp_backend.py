@@ -1,0 +1,680 @@
+"""llama.cpp (through llama-cpp-python) as a forward-only backend with a trace, and a serving session.
+
+``--backend=llama.cpp`` or ``--backend='llama.cpp[kv=f32,fa=off]'``. Options:
+
+* ``kv``: the KV cache type, ``f16`` (llama.cpp's default), ``f32``, ``bf16``, ``q8_0``, ``q4_0``.
+* ``fa``: flash attention, ``auto`` (llama.cpp's default: on wherever the device supports it, which
+  the CPU does, so the default run *is* flash attention), ``on`` or ``off``.
+* ``threads``: CPU threads (default: all); ``cache_dir``: where converted GGUF files go (default
+  ``$GEMMA4_CONFORMANCE_CACHE`` or ``~/.cache/gemma4-conformance``); ``source``: the llama.cpp source
+  tree whose converter is used (default ``$LLAMA_CPP_SOURCE``, else the tree ``fetch-converter``
+  stored in the cache, see below).
+
+The adapter's name carries the settings (``llama.cpp-kv_f16-fa_auto``), so two settings of the
+engine are two backends in a run, its report and its deviations file.
+
+**Weights.** The checkpoint folder the forward contract passes is converted with llama.cpp's own
+converter (``convert_hf_to_gguf.py``'s classes, ``llama_cpp_convert.py``) to an F32, BF16 or F16
+GGUF for the dtype under test (float32, bfloat16, float16), once per checkpoint and type: the file is
+kept in the cache folder under a key made of the checkpoint's contents (files up to 256 MB hashed
+whole, larger ones by path, size and mtime: a 12B conversion writes tens of GB, so it is done once)
+and the converter's version. The converter keeps norm weights, the layer scalars and the RoPE
+frequency factors in float32 in every type, and stores norm weights as ``w`` (Gemma 4), not
+``1 + w`` as for Gemma 3.
+
+**Precision.** Whatever the GGUF type, llama.cpp keeps activations in float32: a "bf16" run is
+bf16 weights with float32 activations, and each matrix product rounds its activation input to the
+weight's type (ggml's ``vec_dot_type``: bf16 for BF16 weights, f16 for F16) and accumulates in
+float32. So in bfloat16 and float16 it is judged against a plain same-dtype engine that rounds every
+op's output to the dtype, which it should beat; the verdict says it is *at least* as accurate as a
+plain engine in that dtype, not that it computes in it. Keys and values are rounded to the cache
+type when stored, and attention reads them from the cache.
+
+**Logits.** Every position's logits: each token of the batch asks for its output
+(``llama_batch.logits[i] = 1``), read with ``llama_get_logits`` as float32 ``[T, V]``.
+
+**Trace.** llama.cpp's scheduler calls an evaluation callback (``cb_eval``, what its
+``llama-eval-callback`` tool uses) for every tensor of the graph; the adapter asks for the tensors
+below, copies them as computed, and maps llama.cpp's names (``src/models/gemma4.cpp``, llama.cpp
+0c1e570 as vendored by llama-cpp-python 0.3.36; ``-{i}`` is the layer) to the spec's nodes:
+
+=========================  ============================================================================
+graph node                 llama.cpp tensor
+=========================  ============================================================================
+embed                      ``inp_scaled``: the embedding rows times ``sqrtf(n_embd)`` in float32
+input_layernorm            ``attn_norm-i``
+q_proj, q_norm, q_rope     ``Qcur-i``, ``Qcur_normed-i``, ``Qcur_pos-i`` (RoPE: NEOX, rotate-half pairs)
+k_proj                     ``Kcur-i``; on full layers ``Vcur-i``, which *is* that tensor (v = k, the
+                           second name given to the same tensor replaces the first)
+v_proj                     ``Vcur-i`` (sliding layers)
+k_norm, k_rope, v_norm     ``Kcur_normed-i``, ``Kcur_pos-i``, ``Vcur_normed-i`` (rms_norm, no weight)
+attention                  ``kqv_out-i``, before the output projection (soft_max or flash_attn_ext,
+                           on keys and values as read back from the cache)
+o_proj                     not named: the matrix product feeding the rms_norm of ``attn_post_norm-i``
+post_attention_layernorm   ``attn_post_norm-i``
+attention_residual         ``attn_out-i`` (llama.cpp's "attn_out" is the residual sum)
+pre_feedforward_layernorm  ``ffn_norm-i``
+gate_up                    ``ffn_gate-i`` and ``ffn_up-i``, joined gate first
+geglu                      ``ffn_geglu-i``
+down_proj                  ``ffn_out-i``
+post_feedforward_layernorm ``ffn_post_norm-i``
+mlp_residual               not named: the sum that ``l_out-i`` multiplies by the layer scalar
+layer_scalar               ``l_out-i`` (``out_scaled-i``, renamed by the control-vector hook)
+final_norm, logits         ``result_norm``, ``result_output`` (softcap: scale, tanh, scale)
+=========================  ============================================================================
+
+A tensor llama.cpp does not produce under these names is left out of the trace ("not traced"). The
+adapter never asks for a bare rms_norm that a multiplication follows: asking splits the graph there,
+which would stop the CPU backend fusing rms_norm with its weight's multiplication, and the traced
+run would not be the run the logits come from. ``hidden_states`` are the ``l_out-i`` tensors.
+
+**Session** (the serving contract): one llama.cpp context whose unified KV cache holds every live
+sequence; each ``step`` is one batch in which every token carries its sequence's slot id and
+position, with every position's logits; ``release`` removes the slot's cells
+(``llama_memory_seq_rm``) and frees the slot for the next sequence.
+
+**Setup.** ``pip install 'gemma4-conformance[llama-cpp]'`` builds llama-cpp-python from source (CPU
+only: about an hour on 2 busy cores). Its wheel does not ship the converter, so fetch the source tree
+of the same version once: ``python -m gemma4_conformance.adapters.llama_cpp_backend fetch-converter``
+(pip downloads llama-cpp-python's sdist; its ``vendor/llama.cpp`` is kept in the cache folder).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from gemma4_conformance.fixtures.config import TextConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+KV_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0")
+FLASH_ATTENTION = ("auto", "on", "off")
+DEFAULTS = {"kv": "f16", "fa": "auto"}  # llama_context_default_params() of llama.cpp 0c1e570
+HASHED_WHOLE = 256 * 2**20  # checkpoint files up to this size are hashed whole for the cache key
+SOURCE_FILES = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # what the converter needs of the tree
+
+# llama.cpp's per-layer tensor names -> the graph's layer nodes (module docstring).
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "Qcur": "q_proj",
+    "Qcur_normed": "q_norm",
+    "Qcur_pos": "q_rope",
+    "Kcur": "k_proj",
+    "Vcur": "v_proj",
+    "Kcur_normed": "k_norm",
+    "Kcur_pos": "k_rope",
+    "Vcur_normed": "v_norm",
+    "kqv_out": "attention",
+    "attn_post_norm": "post_attention_layernorm",
+    "attn_out": "attention_residual",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "ffn_gate": "gate_up",
+    "ffn_up": "gate_up",
+    "ffn_geglu": "geglu",
+    "ffn_out": "down_proj",
+    "ffn_post_norm": "post_feedforward_layernorm",
+    "l_out": "layer_scalar",
+}
+GLOBAL_TENSORS = {"inp_scaled": "embed", "result_norm": "final_norm", "result_output": "logits"}
+_LAYER_NAME = re.compile(r"^(?P<base>[A-Za-z_]+)-(?P<layer>\d+)$")
+
+
+class SetupError(RuntimeError):
+    """llama.cpp cannot run here as configured: the message says what to install or set."""
+
+
+# ---- the trace: llama.cpp's graph tensors -> the spec's nodes (pure: tested with fakes) -----------
+
+@dataclass(frozen=True)
+class GraphTensor:
+    """A tensor of llama.cpp's graph as the evaluation callback sees it (``id``: its address)."""
+
+    id: int
+    name: str
+    op: str  # ggml_op_name: "MUL_MAT", "ADD", "RMS_NORM", "MUL", "FLASH_ATTN_EXT", ...
+    shape: tuple[int, ...]  # numpy order: ggml's ne reversed, leading 1s dropped down to 2 axes ([T, H], [T, H, D])
+    srcs: tuple[int, ...]  # ids of its sources
+
+
+@dataclass
+class TraceCollector:
+    """Decides which tensors to copy while llama.cpp computes, and maps them to the graph's nodes."""
+
+    config: TextConfig
+    tensors: dict[int, GraphTensor] = field(default_factory=dict)  # every tensor asked about
+    data: dict[int, np.ndarray] = field(default_factory=dict)  # the copied ones
+
+    def wants(self, t: GraphTensor) -> bool:
+        """Whether to copy ``t`` (the callback's ``ask``): a named node, or a matrix product or sum of
+        the residual stream's shape, which may turn out to be o_proj or the MLP residual (unnamed)."""
+        self.tensors[t.id] = t
+        if _node_of(t.name) is not None:
+            return True
+        return t.op in ("MUL_MAT", "ADD") and len(t.shape) == 2 and t.shape[-1] == self.config.hidden_size
+
+    def take(self, tensor_id: int, values: np.ndarray) -> None:
+        self.data[tensor_id] = np.array(values, copy=True)
+
+    @property
+    def flash_attention(self) -> bool:
+        return any(t.op == "FLASH_ATTN_EXT" for t in self.tensors.values())
+
+    def trace(self) -> dict[str, np.ndarray]:
+        """Graph node -> the engine's array, for every node llama.cpp produced (module docstring)."""
+        by_name = {t.name: t for t in self.tensors.values() if t.id in self.data}
+        out: dict[str, np.ndarray] = {}
+        for name, node in GLOBAL_TENSORS.items():
+            if name in by_name:
+                out[node] = self._array(by_name[name])
+        for layer in self.config.layers:
+            i = layer.index
+
+            def get(base):
+                t = by_name.get(f"{base}-{i}")
+                return None if t is None else self._array(t)
+
+            found = {}
+            for base, node in LAYER_TENSORS.items():
+                if node not in ("gate_up", "k_proj", "v_proj"):
+                    found[node] = get(base)
+            if layer.k_eq_v:  # no v_proj; llama.cpp's Vcur-i is the k projection itself
+                found["k_proj"] = get("Kcur") if get("Kcur") is not None else get("Vcur")
+            else:
+                found["k_proj"], found["v_proj"] = get("Kcur"), get("Vcur")
+            gate, up = get("ffn_gate"), get("ffn_up")
+            if gate is not None and up is not None:
+                found["gate_up"] = np.concatenate([gate, up], axis=-1)
+            found["o_proj"] = self._unnamed_source(by_name.get(f"attn_post_norm-{i}"), "RMS_NORM", "MUL_MAT")
+            found["mlp_residual"] = self._unnamed_source(by_name.get(f"l_out-{i}"), None, "ADD")
+            for node, value in found.items():
+                if value is not None:
+                    out[f"layers.{i}.{node}"] = value
+        return out
+
+    def _array(self, t: GraphTensor) -> np.ndarray:
+        return self.data[t.id].reshape(t.shape)
+
+    def _unnamed_source(self, t: GraphTensor | None, through: str | None, op: str) -> np.ndarray | None:
+        """The copied source of ``t`` of op ``op``, looking through one source of op ``through`` first
+        (o_proj: attn_post_norm = rms_norm(o) * w; the MLP residual: l_out = residual * scalar)."""
+        if t is None:
+            return None
+        sources = [self.tensors.get(s) for s in t.srcs]
+        if through is not None:
+            inner = [s for s in sources if s is not None and s.op == through]
+            if len(inner) != 1:
+                return None
+            sources = [self.tensors.get(s) for s in inner[0].srcs]
+        hits = [s for s in sources if s is not None and s.op == op and s.id in self.data]
+        return self._array(hits[0]) if len(hits) == 1 else None
+
+
+def _node_of(name: str) -> str | None:
+    if name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[name]
+    m = _LAYER_NAME.match(name)
+    return LAYER_TENSORS.get(m["base"]) if m else None
+
+
+# ---- the converter and the GGUF cache --------------------------------------------------------------
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("GEMMA4_CONFORMANCE_CACHE") or Path.home() / ".cache" / "gemma4-conformance")
+
+
+def library_version() -> str:
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        raise SetupError("llama-cpp-python is not installed: pip install 'gemma4-conformance[llama-cpp]' "
+                         "(it builds llama.cpp from source, CPU only; about an hour on 2 cores)") from None
+
+
+def fetched_source(cache_dir: Path, version: str) -> Path:
+    return cache_dir / "llama.cpp" / f"source-{version}"
+
+
+def find_source(source: str | None, cache_dir: Path) -> Path:
+    """The llama.cpp tree whose converter converts: ``source``, $LLAMA_CPP_SOURCE or the fetched one."""
+    chosen = source or os.environ.get("LLAMA_CPP_SOURCE") or fetched_source(cache_dir, library_version())
+    path = Path(chosen).expanduser()
+    missing = [name for name in SOURCE_FILES if not (path / name).exists()]
+    if missing:
+        raise SetupError(f"llama.cpp's converter is not in {path} (missing {', '.join(missing)}): run "
+                         f"`python -m gemma4_conformance.adapters.llama_cpp_backend fetch-converter` once (it keeps "
+                         f"the llama.cpp tree of the installed llama-cpp-python in the cache folder), or pass "
+                         f"source=/path/to/llama.cpp or set LLAMA_CPP_SOURCE")
+    return path
+
+
+def fetch_converter(cache_dir: Path | None = None) -> Path:
+    """Download llama-cpp-python's sdist of the installed version and keep its llama.cpp converter."""
+    cache_dir = cache_dir or default_cache_dir()
+    version = library_version()
+    target = fetched_source(cache_dir, version)
+    if all((target / name).exists() for name in SOURCE_FILES):
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={version}", "-d", tmp], check=True)
+        archive = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        prefix = f"{archive.name[:-len('.tar.gz')]}/vendor/llama.cpp/"
+        staging = target.with_name(target.name + ".partial")
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)
+                       and m.name[len(prefix):].split("/")[0] in SOURCE_FILES]
+            for m in members:
+                m.name = m.name[len(prefix):]
+            tar.extractall(staging, members=members, filter="data")
+        staging.replace(target)
+    return target
+
+
+def checkpoint_fingerprint(folder: Path) -> str:
+    """A key for a checkpoint folder's contents: small files hashed whole, large ones by path, size, mtime."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors",
+                                                                                     ".model")):
+        stat = file.stat()
+        digest.update(file.name.encode() + b"\0")
+        if stat.st_size <= HASHED_WHOLE:
+            digest.update(file.read_bytes())
+        else:
+            digest.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def converter_fingerprint(source: Path) -> str:
+    digest = hashlib.sha256(Path(__file__).with_name("llama_cpp_convert.py").read_bytes())
+    for relative in ("conversion/base.py", "conversion/gemma.py", "gguf-py/gguf/constants.py"):
+        file = source / relative
+        digest.update(file.read_bytes() if file.is_file() else relative.encode())
+    return digest.hexdigest()
+
+
+@dataclass
+class Conversion:
+    gguf: Path
+    seconds: float | None  # None: found in the cache
+
+
+def convert(checkpoint: Path, dtype: str, cache_dir: Path, source: Path) -> Conversion:
+    """The GGUF of ``checkpoint`` for ``dtype``, converted now or found in the cache."""
+    outtype = GGUF_TYPES[dtype]
+    key = hashlib.sha256(f"{checkpoint_fingerprint(checkpoint)}:{converter_fingerprint(source)}".encode()).hexdigest()
+    folder = cache_dir / "llama.cpp"
+    target = folder / f"{key[:24]}-{outtype}.gguf"
+    if target.is_file():
+        return Conversion(target, None)
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".partial-{os.getpid()}")
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "gemma4_conformance.adapters.llama_cpp_convert", str(source),
+                          str(checkpoint), str(partial), outtype], capture_output=True, text=True)
+    if run.returncode != 0:
+        partial.unlink(missing_ok=True)
+        tail = "\n".join((run.stderr or run.stdout).strip().splitlines()[-12:])
+        raise RuntimeError(f"llama.cpp's converter failed on {checkpoint} ({outtype}):\n{tail}")
+    partial.replace(target)
+    seconds = time.perf_counter() - start
+    target.with_suffix(".json").write_text(json.dumps({
+        "checkpoint": str(checkpoint), "outtype": outtype, "source": str(source), "seconds": round(seconds, 1),
+        "llama-cpp-python": library_version()}, indent=1))
+    return Conversion(target, seconds)
+
+
+# ---- the library through ctypes ------------------------------------------------------------------
+
+class GgmlTensor(ctypes.Structure):
+    """``struct ggml_tensor`` of ggml.h (GGML_MAX_DIMS 4, GGML_MAX_SRC 10, GGML_MAX_NAME 64)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+_ELEMENT = {0: np.dtype(np.float32), 1: np.dtype(np.float16)}  # bf16 (30) added at load (ml_dtypes)
+
+
+class Library:
+    """llama-cpp-python's low-level API, loaded once: backend initialised, logs kept (last 200 lines)."""
+
+    _instance = None
+
+    def __init__(self):
+        import ml_dtypes
+        import llama_cpp
+        from llama_cpp import _ggml
+
+        self.L = llama_cpp
+        self.ggml = _ggml.libggml
+        self.ggml.ggml_op_name.restype = ctypes.c_char_p
+        self.ggml.ggml_op_name.argtypes = [ctypes.c_int]
+        self.ggml.ggml_backend_buffer_is_host.restype = ctypes.c_bool
+        self.ggml.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
+        _ELEMENT[GGML_TYPES["bf16"]] = np.dtype(ml_dtypes.bfloat16)
+        self.log: deque[str] = deque(maxlen=200)
+        self._log_callback = llama_cpp.llama_log_callback(self._keep_log)
+        llama_cpp.llama_log_set(self._log_callback, None)
+        llama_cpp.llama_backend_init()
+        self.version = library_version()
+        self._op_names: dict[int, str] = {}
+
+    @classmethod
+    def get(cls) -> "Library":
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def _keep_log(self, level, text, user_data):
+        self.log.append(text.decode(errors="replace").rstrip("\n"))
+
+    def log_tail(self, n: int = 12) -> str:
+        return "\n".join(line for line in list(self.log)[-n:] if line.strip())
+
+    def op_name(self, op: int) -> str:
+        if op not in self._op_names:
+            self._op_names[op] = self.ggml.ggml_op_name(op).decode()
+        return self._op_names[op]
+
+    def graph_tensor(self, t: GgmlTensor, address: int) -> GraphTensor:
+        shape = list(reversed(t.ne))
+        while len(shape) > 2 and shape[0] == 1:
+            shape.pop(0)
+        return GraphTensor(address, t.name.decode(errors="replace"), self.op_name(t.op), tuple(shape),
+                           tuple(s for s in t.src if s))
+
+    def values(self, t: GgmlTensor) -> np.ndarray | None:
+        """A computed tensor's values in numpy order (strided views gathered), or None when unreadable."""
+        element = _ELEMENT.get(t.type)
+        if element is None or not t.data or (t.buffer and not self.ggml.ggml_backend_buffer_is_host(t.buffer)):
+            return None
+        ne, nb = list(t.ne), list(t.nb)
+        span = sum((n - 1) * stride for n, stride in zip(ne, nb)) + element.itemsize
+        base = np.frombuffer((ctypes.c_char * span).from_address(t.data), dtype=element)
+        strided = np.lib.stride_tricks.as_strided(base, shape=tuple(reversed(ne)), strides=tuple(reversed(nb)))
+        return np.array(strided, dtype=np.float32)
+
+
+class Model:
+    """A loaded GGUF (``llama_model``), shared by an adapter's forwards and sessions."""
+
+    def __init__(self, lib: Library, path: Path):
+        L = lib.L
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.lib, self.path = lib, path
+        self.ptr = L.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            raise RuntimeError(f"llama.cpp could not load {path}:\n{lib.log_tail()}")
+        self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.ptr))
+
+    def close(self):
+        if self.ptr:
+            self.lib.L.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class Context:
+    """A llama.cpp context of ``n_ctx`` cells (one unified KV cache for up to ``sequences`` sequences),
+    with the adapter's cache type and flash-attention setting; ``collector`` gets the evaluation callback."""
+
+    def __init__(self, model: Model, adapter: "LlamaCpp", n_ctx: int, sequences: int, n_ubatch: int,
+                 collector: TraceCollector | None = None):
+        lib = model.lib
+        L = lib.L
+        params = L.llama_context_default_params()
+        params.n_ctx = params.n_batch = n_ctx
+        params.n_ubatch = n_ubatch
+        params.n_seq_max = sequences
+        params.kv_unified = True
+        params.n_threads = params.n_threads_batch = adapter.threads
+        params.type_k = params.type_v = GGML_TYPES[adapter.kv]
+        params.flash_attn_type = {"auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                                  "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED}[adapter.fa]
+        self.collector, self.error = collector, None
+        if collector is not None:
+            self._callback = L.ggml_backend_sched_eval_callback(self._evaluated)  # kept: ctypes does not
+            params.cb_eval = self._callback
+        self.model, self.lib, self.n_batch = model, lib, n_ctx
+        self.ptr = L.llama_init_from_model(model.ptr, params)
+        if not self.ptr:
+            raise RuntimeError(f"llama.cpp could not create a context ({adapter.name}, {n_ctx} cells):\n"
+                               f"{lib.log_tail()}")
+
+    def _evaluated(self, address, ask, user_data):
+        try:
+            t = GgmlTensor.from_address(address)
+            if ask:
+                return self.collector.wants(self.lib.graph_tensor(t, address))
+            values = self.lib.values(t)
+            if values is not None:
+                self.collector.take(address, values)
+            return True
+        except BaseException as e:  # an exception cannot cross the C callback: keep it, stop the compute
+            self.error = e
+            return False
+
+    def decode(self, tokens, positions, seqs) -> np.ndarray:
+        """Logits ``[n, V]`` (float32) of every token of one batch: token i at ``positions[i]`` of ``seqs[i]``."""
+        L, n = self.lib.L, len(tokens)
+        batch = L.llama_batch_init(n, 0, 1)
+        try:
+            batch.n_tokens = n
+            for i in range(n):
+                batch.token[i], batch.pos[i] = int(tokens[i]), int(positions[i])
+                batch.n_seq_id[i], batch.logits[i] = 1, 1
+                batch.seq_id[i][0] = int(seqs[i])
+            status = L.llama_decode(self.ptr, batch)
+            if self.error is not None:
+                raise self.error
+            if status != 0:
+                raise RuntimeError(f"llama_decode returned {status}:\n{self.lib.log_tail()}")
+            V = self.model.vocab
+            return np.stack([np.ctypeslib.as_array(L.llama_get_logits_ith(self.ptr, i), shape=(V,)).copy()
+                             for i in range(n)]) if n else np.zeros((0, V), np.float32)
+        finally:
+            L.llama_batch_free(batch)
+
+    def remove(self, seq: int) -> None:
+        L = self.lib.L
+        L.llama_memory_seq_rm(L.llama_get_memory(self.ptr), seq, -1, -1)
+
+    def close(self):
+        if self.ptr:
+            self.lib.L.llama_free(self.ptr)
+            self.ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _cells(n: int) -> int:
+    return max(256, -(-n // 256) * 256)
+
+
+class LlamaCpp:
+    """The llama.cpp backend (module docstring); options as strings, as ``--backend`` passes them."""
+
+    dtypes = DTYPES
+
+    def __init__(self, kv: str = DEFAULTS["kv"], fa: str = DEFAULTS["fa"], threads: str | None = None,
+                 cache_dir: str | None = None, source: str | None = None):
+        if kv not in KV_TYPES:
+            raise ValueError(f"kv={kv!r}: the KV cache type must be one of {', '.join(KV_TYPES)}")
+        if fa not in FLASH_ATTENTION:
+            raise ValueError(f"fa={fa!r}: flash attention must be one of {', '.join(FLASH_ATTENTION)}")
+        if threads is not None and not (str(threads).isdigit() and int(threads) > 0):
+            raise ValueError(f"threads={threads!r}: must be a positive integer")
+        self.kv, self.fa = kv, fa
+        self.threads = int(threads) if threads else (os.cpu_count() or 1)
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        self.name = f"llama.cpp-kv_{kv}-fa_{fa}"
+        self.version = library_version()
+        self.source = find_source(source, self.cache_dir)
+        self.conversions: dict[tuple[str, str], Conversion] = {}  # (checkpoint, dtype) -> its GGUF
+        self._models: dict[Path, Model] = {}
+        self.flash_attention: bool | None = None  # what fa resolved to in the last forward
+
+    @property
+    def notes(self) -> str:
+        """The settings as llama.cpp ran them, for reports."""
+        fa = {"auto": "auto (llama.cpp's default)", "on": "on", "off": "off"}[self.fa]
+        if self.flash_attention is not None:
+            fa += f", ran {'with' if self.flash_attention else 'without'} flash_attn_ext"
+        converted = ", ".join(f"{GGUF_TYPES[d]} {c.seconds:.0f} s" for (_, d), c in self.conversions.items()
+                              if c.seconds is not None)
+        return (f"llama-cpp-python {self.version}; KV cache {self.kv}"
+                f"{' (llama.cpp default)' if self.kv == DEFAULTS['kv'] else ''}; flash attention {fa}; "
+                f"activations float32, GGUF F32/BF16/F16 from convert_hf_to_gguf"
+                + (f"; converted: {converted}" if converted else ""))
+
+    def gguf(self, checkpoint, dtype: str) -> Path:
+        """The GGUF of ``checkpoint`` for ``dtype`` (converted once, cached)."""
+        if checkpoint is None:
+            raise ValueError("llama.cpp runs a GGUF converted from the checkpoint folder, and these weights came "
+                             "from no folder (run on a checkpoint folder: the generated one or --weights)")
+        if dtype not in DTYPES:
+            raise ValueError(f"{self.name} runs {', '.join(DTYPES)}, not {dtype}")
+        key = (str(Path(checkpoint).resolve()), dtype)
+        if key not in self.conversions:
+            self.conversions[key] = convert(Path(key[0]), dtype, self.cache_dir, self.source)
+        return self.conversions[key].gguf
+
+    def _model(self, checkpoint, dtype: str) -> Model:
+        path = self.gguf(checkpoint, dtype)
+        if path not in self._models:
+            self._models[path] = Model(Library.get(), path)
+        return self._models[path]
+
+    def forward(self, weights, config, tokens, dtype: str, checkpoint=None) -> dict:
+        """Every position's logits, the layers' outputs and the trace of one llama.cpp decode of ``tokens``."""
+        cfg = config if isinstance(config, TextConfig) else TextConfig.from_dict(config)
+        model = self._model(checkpoint, dtype)
+        tokens = np.asarray(tokens, dtype=np.int64)
+        T = len(tokens)
+        collector = TraceCollector(cfg)
+        # One ubatch for the whole prompt, so the trace is one graph's.
+        with Context(model, self, _cells(T), 1, _cells(T), collector) as ctx:
+            logits = ctx.decode(tokens, np.arange(T), np.zeros(T, np.int64))
+        self.flash_attention = collector.flash_attention
+        trace = collector.trace()
+        hidden = [trace.get(f"layers.{layer.index}.layer_scalar") for layer in cfg.layers]
+        hidden = [h.reshape(T, cfg.hidden_size) for h in hidden] if all(h is not None for h in hidden) else None
+        return {"logits": logits, "hidden_states": hidden, "trace": trace}
+
+    def session(self, weights, config, dtype: str, checkpoint=None, capacity: int = 4096,
+                sequences: int = 16) -> "Session":
+        """A serving session (issue 12's contract) on llama.cpp's multi-sequence KV cache: ``capacity``
+        cells shared by up to ``sequences`` live sequences."""
+        return Session(self, self._model(checkpoint, dtype), capacity, sequences)
+
+    def close(self):
+        for model in self._models.values():
+            model.close()
+        self._models.clear()
+
+
+class Session:
+    """Sequences of the suite (any int ids) on llama.cpp's sequence slots of one context (module docstring)."""
+
+    UBATCH = 512
+
+    def __init__(self, adapter: LlamaCpp, model: Model, capacity: int, sequences: int):
+        self.context = Context(model, adapter, _cells(capacity), sequences, min(self.UBATCH, _cells(capacity)))
+        self.live: dict[int, list[int]] = {}  # suite id -> [slot, next position]
+        self.free = list(range(sequences))
+        self.capacity = _cells(capacity)
+
+    def step(self, chunks: dict) -> dict:
+        """``{seq: tokens}`` appended now (one batch, mixed prefill and decode) -> ``{seq: logits [n, V]}``."""
+        tokens, positions, slots, rows = [], [], [], {}
+        for seq, new in chunks.items():
+            new = np.asarray(new, dtype=np.int64).reshape(-1)
+            if seq not in self.live:
+                if not self.free:
+                    raise RuntimeError(f"llama.cpp session: sequence {seq} starts while all {len(self.live)} slots "
+                                       f"are live (release one, or open the session with more sequences)")
+                self.live[seq] = [self.free.pop(0), 0]
+            slot, start = self.live[seq]
+            rows[seq] = slice(len(tokens), len(tokens) + len(new))
+            tokens.extend(new.tolist())
+            positions.extend(range(start, start + len(new)))
+            slots.extend([slot] * len(new))
+            self.live[seq][1] = start + len(new)
+        logits = [self.context.decode(tokens[i:i + self.capacity], positions[i:i + self.capacity],
+                                      slots[i:i + self.capacity]) for i in range(0, len(tokens), self.capacity)]
+        logits = np.concatenate(logits) if logits else np.zeros((0, self.context.model.vocab), np.float32)
+        return {seq: logits[r] for seq, r in rows.items()}
+
+    def release(self, seq) -> None:
+        slot, _ = self.live.pop(seq)
+        self.context.remove(slot)
+        self.free.append(slot)
+
+    def close(self) -> None:
+        self.context.close()
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m gemma4_conformance.adapters.llama_cpp_backend",
+                                     description="Set up the llama.cpp backend.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    fetch = commands.add_parser("fetch-converter", help="keep llama.cpp's converter of the installed "
+                                                        "llama-cpp-python in the cache folder (pip downloads its sdist)")
+    fetch.add_argument("--cache-dir", type=Path, default=None)
+    pre = commands.add_parser("convert", help="convert a checkpoint folder to GGUF now, into the cache")
+    pre.add_argument("checkpoint", type=Path)
+    pre.add_argument("--dtype", action="append", choices=DTYPES, help="repeatable; default: all three")
+    pre.add_argument("--cache-dir", type=Path, default=None)
+    pre.add_argument("--source", default=None)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "fetch-converter":
+            print(fetch_converter(args.cache_dir))
+            return
+        cache_dir = args.cache_dir or default_cache_dir()
+        source = find_source(args.source, cache_dir)
+        for dtype in args.dtype or DTYPES:
+            done = convert(args.checkpoint.resolve(), dtype, cache_dir, source)
+            print(f"{dtype}: {done.gguf}" + (f" ({done.seconds:.0f} s)" if done.seconds is not None else " (cached)"))
+    except SetupError as e:
+        sys.exit(str(e))
+
+
+if __name__ == "__main__":
+    main()
