@@ -30,8 +30,34 @@ build the vision and audio towers, and need torchvision), or the text config's
 ``prompt_logprobs=-1`` / ``logprobs=-1`` ask for the whole vocabulary. Row t < T-1 is the prompt
 logprob entry of token t+1 (vLLM computes it from position t), row T-1 the distribution of the one
 generated token. vLLM computes the logits in the model dtype and returns them as float32, so they
-carry the dtype's precision. There is no trace: vLLM names no intermediates (every node is
-reported "not traced").
+carry the dtype's precision.
+
+**Trace.** Forward hooks on vLLM's own Gemma 4 modules (installed with ``LLM.apply_model``; the
+in-process engine runs them in this process) keep each module's output of the prompt's forward, in
+the dtype vLLM computed it (``model.model.layers[i]`` is layer i; ``-`` marks a module input):
+
+==========================  =====================================================================
+graph node                  vLLM module output
+==========================  =====================================================================
+embed                       - ``layers[0]`` (its hidden_states argument: embed_tokens x normalizer)
+input_layernorm             ``input_layernorm``
+q_proj, k_proj, v_proj      ``self_attn.qkv_proj``, split [q, k, v] (v_proj on sliding layers only:
+                            on full layers the k weights are loaded into the v slot too)
+q_norm, k_norm, v_norm      ``self_attn.q_norm``, ``self_attn.k_norm``, ``self_attn.v_norm``
+q_rope, k_rope              ``self_attn.rotary_emb`` (q, k)
+attention                   ``self_attn.attn`` (the CPU attention backend, before o_proj)
+o_proj                      ``self_attn.o_proj``
+post_attention_layernorm    ``post_attention_layernorm``
+attention_residual          - ``pre_feedforward_layernorm``
+pre_feedforward_layernorm   ``pre_feedforward_layernorm``
+gate_up, geglu, down_proj   ``mlp.gate_up_proj`` (gate first), ``mlp.act_fn``, ``mlp.down_proj``
+post_feedforward_layernorm  ``post_feedforward_layernorm``
+layer_scalar                the decoder layer's output (also ``hidden_states``)
+final_norm                  ``model.norm``
+==========================  =====================================================================
+
+The MLP residual sum is no module's output, so it is "not traced" (and the layer scalar, whose input
+it is, not judged); the logits are the ones above.
 """
 
 from __future__ import annotations
@@ -44,6 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from gemma4_conformance.adapters import SETUP
+from gemma4_conformance.fixtures.config import TextConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 TEXT_MODEL = "Gemma4ForCausalLM"  # vLLM's Gemma 4 text model, whatever the checkpoint's architectures say
@@ -92,23 +119,116 @@ class Vllm:
             self._key = key
         return self._engine
 
+    def _hooked(self, llm):
+        if getattr(llm, "_gemma4_conformance_hooks", None) is None:
+            llm._gemma4_conformance_hooks = llm.apply_model(_install_hooks)
+        return llm
+
     def forward(self, weights, config, tokens, dtype: str, checkpoint=None) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = self._llm(checkpoint, dtype)
+        llm = self._hooked(self._llm(checkpoint, dtype))
         tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
-        vocab = int(config["vocab_size"]) if isinstance(config, dict) else config.vocab_size
+        cfg = config if isinstance(config, TextConfig) else TextConfig.from_dict(config)
+        vocab = cfg.vocab_size
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1, logprobs=-1, detokenize=False)
-        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+        _RECORDING.update(tokens=len(tokens), values={})
+        try:
+            out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+        finally:
+            recorded = _RECORDING["values"]
+            _RECORDING.update(tokens=None, values={})
         rows = list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]]
         logits = np.full((len(tokens), vocab), np.nan, np.float32)
         for t, row in enumerate(rows):
             ids = np.fromiter(row.keys(), np.int64, len(row))
             logits[t, ids] = np.fromiter((p.logprob for p in row.values()), np.float32, len(row))
-        return {"logits": logits}
+        trace = _trace(recorded, cfg)
+        hidden = [trace.get(f"layers.{layer.index}.layer_scalar") for layer in cfg.layers]
+        return {"logits": logits, "trace": trace,
+                "hidden_states": hidden if all(h is not None for h in hidden) else None}
 
     def close(self):
         if self._engine is not None:
             self._engine = self._key = None
             gc.collect()
+
+
+# The hooks' store: module-level, so the hooks find it however apply_model hands them to the worker
+# (the in-process engine's worker is this process). Some modules are one object shared by every layer
+# (vLLM caches its rotary embedding and activation modules), so each hook keeps its module's outputs
+# in call order, and the k-th output belongs to the k-th layer that uses the module (each layer calls
+# each of its modules once per forward, in layer order). Only calls on the prompt's tokens are kept.
+_RECORDING: dict = {"tokens": None, "values": {}}
+_USERS: dict = {}  # hook key -> (layer indices using the module, in order), filled by _install_hooks
+_HANDLES: list = []  # the installed hooks: removed before the next engine's are installed, since the
+# shared modules outlive an engine (the activation is one object per process)
+
+
+def _keep(key, pick):
+    def hook(module, args, output=None):
+        tokens, values = _RECORDING["tokens"], _RECORDING["values"]
+        if tokens is None:
+            return
+        value = pick(args, output)
+        kept = values.setdefault(key, [])
+        if value.shape[0] == tokens and len(kept) < len(_USERS[key]):
+            kept.append(value.detach().to("cpu").float().numpy().copy())  # a copy: vLLM rotates q, k in place
+    return hook
+
+
+def _output(args, out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _install_hooks(model) -> int:
+    """Forward (pre-)hooks on vLLM's Gemma 4 modules, as the module docstring maps them; the count."""
+    inner = model.model
+    uses = [(None, "embed", inner.layers[0], lambda a, o: a[1], True),
+            (None, "final_norm", inner.norm, _output, False)]
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        uses += [(i, name, module, pick, False) for name, module, pick in [
+            ("input_layernorm", layer.input_layernorm, _output), ("qkv", attn.qkv_proj, _output),
+            ("q_norm", attn.q_norm, _output), ("k_norm", attn.k_norm, _output), ("v_norm", attn.v_norm, _output),
+            ("q_rope", attn.rotary_emb, lambda a, o: o[0]), ("k_rope", attn.rotary_emb, lambda a, o: o[1]),
+            ("attention", attn.attn, _output), ("o_proj", attn.o_proj, _output),
+            ("post_attention_layernorm", layer.post_attention_layernorm, _output),
+            ("pre_feedforward_layernorm", layer.pre_feedforward_layernorm, _output),
+            ("gate_up", mlp.gate_up_proj, _output), ("geglu", mlp.act_fn, _output),
+            ("down_proj", mlp.down_proj, _output),
+            ("post_feedforward_layernorm", layer.post_feedforward_layernorm, _output), ("layer_scalar", layer, _output)]]
+        uses.append((i, "attention_residual", layer.pre_feedforward_layernorm, lambda a, o: a[0], True))
+    while _HANDLES:
+        _HANDLES.pop().remove()
+    _USERS.clear()
+    for i, name, module, pick, before in uses:
+        key = (id(module), name)
+        if key not in _USERS:
+            _USERS[key] = []
+            hook = _keep(key, pick)
+            _HANDLES.append(module.register_forward_pre_hook(hook) if before else module.register_forward_hook(hook))
+        _USERS[key].append((i, name))
+    return len(_USERS)
+
+
+def _trace(recorded: dict, cfg: TextConfig) -> dict:
+    """The recorded module outputs under the graph's node names (the qkv projection split)."""
+    trace = {}
+    H = cfg.num_heads
+    for key, values in recorded.items():
+        for (i, name), value in zip(_USERS[key], values):
+            if i is None:
+                trace[name] = value
+                continue
+            layer = cfg.layers[i]
+            if name == "qkv":
+                D = layer.head_dim
+                q, k, v = np.split(value, [H * D, H * D + layer.kv_heads * D], axis=-1)
+                trace[f"layers.{i}.q_proj"], trace[f"layers.{i}.k_proj"] = q, k
+                if not layer.k_eq_v:
+                    trace[f"layers.{i}.v_proj"] = v
+            else:
+                trace[f"layers.{i}.{name}"] = value
+    return trace
