@@ -260,7 +260,7 @@ def _session_verdicts(engine, small, dtype, session):
     verdicts = []
     for tokens, rows in served:
         tokens, steps = np.array(tokens), np.concatenate(rows)
-        assert steps.shape == (len(tokens), weights.config.vocab_size)
+        assert steps.shape == (len(tokens), weights.config.vocab_size) and steps.dtype == fmt(dtype).dtype
         prefill = engine.forward(weights, weights.config.raw, tokens, dtype, checkpoint=str(folder))["logits"]
         ref, _ = reference(weights.config, weights, tokens, certify=False)
         allowed = max(FACTOR * relative_error(prefill, ref["logits"]), FLOOR * fmt(dtype).eps)
@@ -300,7 +300,7 @@ def test_real_session_that_forgets_its_cache_fails(engine, small):
             return super().step(chunks)
 
     folder, weights, _, _ = small
-    session = Forgetful(engine, engine._model(str(folder), "bfloat16"), 4096, 16)
+    session = Forgetful(engine, engine._model(str(folder), "bfloat16"), "bfloat16", 4096, 16)
     verdicts = _session_verdicts(engine, small, "bfloat16", session)
     assert any(error > allowed for error, allowed, _ in verdicts)
     assert any(failures for _, _, failures in verdicts)

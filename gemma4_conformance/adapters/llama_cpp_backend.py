@@ -99,6 +99,7 @@ from pathlib import Path
 import numpy as np
 
 from gemma4_conformance.fixtures.config import TextConfig
+from gemma4_conformance.spec import fmt
 
 DTYPES = ("float32", "bfloat16", "float16")
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -599,7 +600,7 @@ class LlamaCpp:
                 sequences: int = 16) -> "Session":
         """A serving session (issue 12's contract) on llama.cpp's multi-sequence KV cache: ``capacity``
         cells shared by up to ``sequences`` live sequences."""
-        return Session(self, self._model(checkpoint, dtype), capacity, sequences)
+        return Session(self, self._model(checkpoint, dtype), dtype, capacity, sequences)
 
     def close(self):
         for model in self._models.values():
@@ -612,7 +613,8 @@ class Session:
 
     UBATCH = 512
 
-    def __init__(self, adapter: LlamaCpp, model: Model, capacity: int, sequences: int):
+    def __init__(self, adapter: LlamaCpp, model: Model, dtype: str, capacity: int, sequences: int):
+        self.dtype = fmt(dtype).dtype  # the serving contract's logits are in the dtype: llama.cpp's float32, rounded once
         self.context = Context(model, adapter, _cells(capacity), sequences, min(self.UBATCH, _cells(capacity)))
         self.live: dict[int, list[int]] = {}  # suite id -> [slot, next position]
         self.free = list(range(sequences))
@@ -637,7 +639,7 @@ class Session:
         logits = [self.context.decode(tokens[i:i + self.capacity], positions[i:i + self.capacity],
                                       slots[i:i + self.capacity]) for i in range(0, len(tokens), self.capacity)]
         logits = np.concatenate(logits) if logits else np.zeros((0, self.context.model.vocab), np.float32)
-        return {seq: logits[r] for seq, r in rows.items()}
+        return {seq: logits[r].astype(self.dtype) for seq, r in rows.items()}
 
     def release(self, seq) -> None:
         slot, _ = self.live.pop(seq)
