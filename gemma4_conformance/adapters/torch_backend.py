@@ -44,6 +44,19 @@ TORCH_DTYPES = {
 }
 
 
+def from_numpy(a) -> torch.Tensor:
+    """A float array as a CPU tensor of the same dtype and bits (bfloat16 through its int16 view)."""
+    a = np.array(a)  # a contiguous, writable copy that torch may share
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == ml_dtypes.bfloat16 \
+        else torch.from_numpy(a)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a numpy array of the same dtype and bits."""
+    t = t.detach().contiguous()
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """The dtype norms and RoPE angles are computed in: float32, or float64 for float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -365,9 +378,7 @@ class TorchAdapter:
     def _tensor(self, a, kind: str):
         """A contract argument as the op takes it: arrays as tensors on the device, bits unchanged."""
         if kind == "float":
-            a = np.array(a)  # a contiguous, writable copy that torch may share
-            t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == ml_dtypes.bfloat16 \
-                else torch.from_numpy(a)
+            t = from_numpy(a)
         elif kind == "index":
             t = torch.from_numpy(np.array(a, dtype=np.int64))
         elif kind == "mask":
@@ -388,10 +399,7 @@ class TorchAdapter:
             start = time.perf_counter()
             t = t.cpu()
             self.transfer_seconds += time.perf_counter() - start
-        t = t.detach().contiguous()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
+        return to_numpy(t)
 
     def environment(self) -> dict:
         """The device, its runtime and the math modes this backend's ops run under, for the report."""

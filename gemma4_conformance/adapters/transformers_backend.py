@@ -75,8 +75,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma4_unified import modeling_gemma4_unified as hf
 from transformers.models.gemma4_unified.configuration_gemma4_unified import Gemma4UnifiedTextConfig
 
+from gemma4_conformance.spec import OP_NAMES
+
 from . import torch_backend
-from .torch_backend import _TORCH_DTYPES, _np
+from .torch_backend import TORCH_DTYPES, from_numpy, to_numpy
 
 ATTENTION = ("sdpa", "eager")
 VERSION = transformers_version
@@ -99,12 +101,13 @@ class Adapter:
         self.attention = attention
         self.name = f"transformers-{attention}" + ("" if self.device.type == "cpu" else f"-{self.device}")
         self._models: dict = {}
+        self._torch = torch_backend.backend(device=str(self.device))
 
     def __getattr__(self, op):
         """An op transformers does not define itself: torch's, as the torch backend computes it."""
-        if op.startswith("_"):
+        if op not in OP_NAMES:
             raise AttributeError(op)
-        return getattr(torch_backend, op)
+        return getattr(self._torch, op)
 
     # ------------------------------------------------------------------------------- the model
 
@@ -116,7 +119,7 @@ class Adapter:
             hf_config = Gemma4UnifiedTextConfig(**_text_config(config))
             state = {name: _tensor(weights[name]) for name in weights}
             model = hf.Gemma4UnifiedForCausalLM.from_pretrained(
-                None, config=hf_config, state_dict=state, dtype=_TORCH_DTYPES[dtype],
+                None, config=hf_config, state_dict=state, dtype=TORCH_DTYPES[dtype],
                 attn_implementation=self.attention)
             self._models[key] = model.to(self.device).eval()
         return self._models[key]
@@ -126,7 +129,7 @@ class Adapter:
         with torch.no_grad(), Tracer(model) as tracer:
             out = model(torch.as_tensor(np.asarray(tokens), device=self.device)[None], use_cache=False)
         trace = tracer.trace()
-        return {"logits": _np(out.logits[0].cpu()), "trace": trace,
+        return {"logits": to_numpy(out.logits[0].cpu()), "trace": trace,
                 "hidden_states": [trace[f"layers.{i}.layer_scalar"] for i in range(len(model.model.layers))]}
 
     def session(self, weights, config, dtype, checkpoint=None):
@@ -135,7 +138,7 @@ class Adapter:
     # ------------------------------------------------------------------------------- HF's ops
 
     def _t(self, a):
-        return torch_backend._t(a).to(self.device)
+        return from_numpy(a).to(self.device)
 
     def rmsnorm(self, eps, x, w):
         norm = hf.Gemma4UnifiedRMSNorm(x.shape[-1], eps=eps).to(self.device)
@@ -150,7 +153,7 @@ class Adapter:
         i = torch.as_tensor(np.asarray(i, dtype=np.int64))
         inside = (i >= 0) & (i < len(freq))  # past the head's pairs there is no frequency: 0 (the spec's too)
         out = torch.where(inside, freq[i.clamp(0, len(freq) - 1)], torch.zeros((), dtype=freq.dtype))
-        return _np(out.to(_TORCH_DTYPES[dtype]))
+        return to_numpy(out.to(TORCH_DTYPES[dtype]))
 
     def rope(self, theta, rot, denom, active, pos, x):
         half = rot // 2
@@ -214,7 +217,7 @@ class Adapter:
         return self._out(out[0].reshape(S, Hkv, G, D))
 
     def _out(self, t):
-        return _np(t.detach().cpu())
+        return to_numpy(t.detach().cpu())
 
 
 def eager(device: str = "cpu") -> Adapter:
@@ -230,7 +233,7 @@ def _text_config(config: dict) -> dict:
 
 
 def _tensor(array) -> torch.Tensor:
-    return torch_backend._t(np.asarray(array))
+    return from_numpy(np.asarray(array))
 
 
 @functools.lru_cache(maxsize=64)
@@ -290,7 +293,7 @@ class Tracer:
             if node.endswith(".gate_proj"):
                 layer = node[:-len(".gate_proj")]
                 node, t = f"{layer}.gate_up", torch.cat((t, self.values[f"{layer}.up_proj"]), dim=-1)
-            out[node] = _np(t[0])
+            out[node] = to_numpy(t[0])
         return out
 
     def __enter__(self):
@@ -364,7 +367,7 @@ class Session:
                 cache = self.caches.setdefault(seq, DynamicCache(config=self.model.config))
                 ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)[None]
                 result = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-                out[seq] = _np(result.logits[0].cpu())
+                out[seq] = to_numpy(result.logits[0].cpu())
         return out
 
     def release(self, seq) -> None:
