@@ -3,7 +3,7 @@
     # conformance/deviations.yaml, passed as --known-deviations=conformance/deviations.yaml
     backend: myengine            # the --backend spec or the adapter's name
     deviations:
-      - op: rope                 # an op, a relation (properties/relations.py), "forward" or "trace"
+      - op: rope                 # an op, a relation (properties/relations.py), "forward", "trace" or "serving"
         dtype: float16
         reason: fp16 RoPE angles; tracked in myengine#123
 
@@ -33,6 +33,7 @@ from .relations import RELATIONS
 FORWARD = "forward"
 SHIPPED = Path(__file__).resolve().parent.parent / "deviations"  # NAME.yaml: measured and explained in README.md
 TRACE = "trace"  # the per-node verdicts of a forward's trace (properties/trace.py)
+SERVING = "serving"  # the serving test's verdict (properties/test_serving.py)
 
 
 class DeviationsError(ValueError):
@@ -62,7 +63,7 @@ class Deviation:
 
 
 def subject(item) -> tuple[str, str, str, str] | None:
-    """(backend spec, adapter name, dtype, op/relation/"forward"/"trace") of a suite test, None for others."""
+    """(backend spec, adapter name, dtype, op/relation/"forward"/"trace"/"serving") of a suite test, None for others."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     if "adapter" not in params:
         return None
@@ -74,6 +75,8 @@ def subject(item) -> tuple[str, str, str, str] | None:
         what, dtype = FORWARD, params["forward_dtype"]
     elif "trace_dtype" in params:
         what, dtype = TRACE, params["trace_dtype"]
+    elif "serving_dtype" in params:
+        what, dtype = SERVING, params["serving_dtype"]
     else:
         return None
     return params["backend"], params["adapter"].name, dtype, what
@@ -152,7 +155,7 @@ def _read(path: Path) -> list[Deviation]:
     items = data.get("deviations") or []
     if not isinstance(items, list):
         raise DeviationsError(f"{path}: 'deviations' must be a list of entries with op, dtype and reason")
-    known = {*OP_NAMES, *RELATIONS, FORWARD, TRACE}
+    known = {*OP_NAMES, *RELATIONS, FORWARD, TRACE, SERVING}
     entries = []
     for i, item in enumerate(items):
         where = f"{path}: deviations[{i}]"
@@ -165,7 +168,7 @@ def _read(path: Path) -> list[Deviation]:
         if extra:
             raise DeviationsError(f"{where} has unknown field(s) {', '.join(extra)}")
         if item["op"] not in known:
-            raise DeviationsError(f"{where}: op {item['op']!r} is neither an op, a relation, 'forward' nor 'trace'")
+            raise DeviationsError(f"{where}: op {item['op']!r} is neither an op, a relation, 'forward', 'trace' nor 'serving'")
         if item["dtype"] not in DTYPES:
             raise DeviationsError(f"{where}: dtype {item['dtype']!r} is not one of {', '.join(DTYPES)}")
         entries.append(Deviation(data["backend"], item["op"], item["dtype"], item["reason"].strip(), str(path)))

@@ -101,12 +101,27 @@ class Problem:
     message: str
 
 
+def serving_summary(r) -> str:
+    """One line on a backend x dtype's serving path: what was checked, the worst row, what failed."""
+    if r.outcome == "unsupported":
+        return "no session: the serving path is not supported"
+    text = f"{r.schedules} schedules, {r.sequences} sequences, {r.steps} steps, {r.tokens} tokens"
+    if r.worst is not None:
+        w = r.worst
+        text += (f"; worst row: position {w.position} ({'decode' if w.decode else 'prefill'}), rel. error "
+                 f"{w.error:.3g} (baseline {w.baseline:.3g}), {w.ratio:.2g} of allowed")
+    if r.outcome in ("failed", "errored"):
+        text += f"; the last failing schedule has {', '.join(r.features) or 'none of the features'}"
+    return text
+
+
 class Recorder:
     def __init__(self):
         self.records: dict[tuple[str, str, str], OpRecord] = {}
         self.relations: dict[tuple[str, str, str], RelationRecord] = {}
         self.forward: dict[tuple[str, str], object] = {}  # (backend, dtype) -> forward.ForwardVerdict
         self.traces: dict[tuple[str, str], object] = {}  # (backend, dtype) -> trace.TraceVerdict
+        self.serving: dict[tuple[str, str], object] = {}  # (backend, dtype) -> serving.ServingRecord
         self.excused: dict[tuple[str, str, str], str] = {}  # (backend, dtype, op/relation/"forward") -> reason
         self.problems: list[Problem] = []
 
@@ -173,6 +188,9 @@ class Recorder:
         for (backend, dtype), v in sorted(self.traces.items()):
             outcome = self.outcome(backend, dtype, "trace", "failed" if v.failures else "passed")
             lines.append(f"{backend:<8} {dtype:<9} {'trace':<15} {outcome:<15} {v.summary()}")
+        for (backend, dtype), r in sorted(self.serving.items()):
+            outcome = self.outcome(backend, dtype, "serving", r.outcome)
+            lines.append(f"{backend:<8} {dtype:<9} {'serving':<15} {outcome:<11} " + serving_summary(r))
         if self.relations:
             counts = {o: sum(r.outcome == o for r in self.relations.values()) for o in ("passed", "unsupported")}
             lines.append(f"theorems of the spec: {counts['passed']} held, "

@@ -1,0 +1,409 @@
+"""The serving path: KV-cache decoding, chunked prefill and continuous batching against the reference.
+
+The contract (optional, beside ``forward``; the built-in backends' is adapters/session.py)::
+
+    session = adapter.session(weights, config, dtype, checkpoint=None)   # the model loaded once
+    logits = session.step({seq: tokens, ...})   # seq: int id; tokens: int64 [n] the sequence appends now
+    # -> {seq: float array [n, V] in dtype}: the logits of exactly those positions
+    session.release(seq)                        # done; the id may be used again, and starts empty
+    session.close()                             # optional
+
+A *schedule* says which sequences run when: each sequence has an id (ids are reused once released),
+the step it joins at, its prompt as one chunk or several, and how many decode steps of one token
+follow; it is released after its last step.  One step carries a piece of every live sequence, so
+prefill chunks and decode steps share steps.  Sequence k of a schedule reads document k % DOCUMENTS
+(fixed token lists, teacher forcing: nothing is sampled), so a schedule is a small JSON-able dict
+that ``--case`` replays exactly.
+
+Verdict, per sequence and dtype: a causal model's logits at a position depend only on the tokens up
+to it, so the rows a session returns for a sequence of length L are judged against the first L rows
+of the reference prefill of its document (the float64 reference of forward.py, the graph run with
+the numpy ops in float64; forward.py's test certifies that code path against the oracle on the same
+checkpoint), with the plain same-dtype baseline (the numpy ops composed, one prefill of the
+document) as the allowance: ``forward.judge_forward`` on the sequence's rows, so factor over the
+baseline, floor and top-1 are the forward's.  The same verdict also compares the stepped rows with
+the session's own one-call prefill of the same tokens, which needs no reference.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+
+import numpy as np
+from hypothesis import strategies as st
+
+from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.spec import fmt
+
+from .forward import FACTOR, FLOOR, composed, judge_forward, reference, relative_error
+from .harness import ContractViolation
+
+SERVING_DTYPES = ("float32", "bfloat16")
+DOCUMENTS = 8  # as many as sequences may be live at once, so concurrent sequences never share tokens
+MAX_SEQUENCES = 8
+MAX_STEPS = 16
+EXAMPLES_SHARE = 8  # a schedule is ~10 runs of the 48-layer model: an eighth of the profile's examples
+FEATURES = ("chunking", "wrap-around", "reuse", "mixed batch")
+
+
+# ----------------------------------------------------------------------------------------- schedules
+
+def limits(window: int) -> dict:
+    """Prompts up to 4 windows (in chunks of up to 2), then up to window - 2 decode steps (each a
+    whole step of the model, so fewer than tokens): a sequence wraps its rings up to 4 times."""
+    return {"prompt": 4 * window, "chunk": 2 * window, "decode": window - 2, "join": 3}
+
+
+def document_length(window: int) -> int:
+    lim = limits(window)
+    return lim["prompt"] + lim["decode"]
+
+
+def _end(sequence: dict) -> int:
+    """The last step a sequence takes part in."""
+    return sequence["join"] + len(sequence["chunks"]) + sequence["decode"] - 1
+
+
+def normalize(schedule: dict, window: int) -> dict:
+    """The schedule as it runs: prompts trimmed to the limit, a reused id joining only after the
+    sequence that held it was released, sequences that would run past MAX_STEPS dropped (the first
+    is kept).  Idempotent, so a printed schedule replays as it ran."""
+    lim, sequences, released = limits(window), [], {}
+    for s in schedule["sequences"]:
+        chunks, room = [], lim["prompt"]
+        for c in s["chunks"]:
+            if room > 0:
+                chunks.append(min(c, room))
+                room -= chunks[-1]
+        s = {"id": s["id"], "join": max(s["join"], released.get(s["id"], 0)), "chunks": chunks,
+             "decode": s["decode"]}
+        if sequences and _end(s) >= MAX_STEPS:
+            continue
+        sequences.append(s)
+        released[s["id"]] = _end(s) + 1
+    return {"sequences": sequences}
+
+
+def schedules(window: int):
+    """Schedules of 1 to 8 sequences: ids from a pool of 8 (so reused), joins staggered over the first
+    steps, prompts of 1 to 4 windows in one piece or in up to 3 chunks of any size (window multiples
+    or not), 0 to window - 2 decode steps.  Shrinks towards fewer, shorter, earlier sequences."""
+    lim = limits(window)
+    sequence = st.fixed_dictionaries({
+        "id": st.integers(0, MAX_SEQUENCES - 1),
+        "join": st.integers(0, lim["join"]),
+        "chunks": st.lists(st.integers(1, lim["chunk"]), min_size=1, max_size=3),
+        "decode": st.integers(0, lim["decode"]),
+    })
+    return st.lists(sequence, min_size=1, max_size=MAX_SEQUENCES).map(
+        lambda sequences: normalize({"sequences": sequences}, window))
+
+
+def every_feature(window: int) -> dict:
+    """The schedule every run checks first (as the op tests check their edge cases): two sequences
+    joining in one step, a prompt longer than the window in one piece and others in chunks that do
+    not divide it (one starting after the ring wrapped), mixed prefill and decode steps, a released
+    id and slot reused, and positions past 3 windows."""
+    W = window
+    return normalize({"sequences": [
+        {"id": 0, "join": 0, "chunks": [W - 3, W - 2, 3, W - 1], "decode": W - 2},
+        {"id": 1, "join": 0, "chunks": [W + 1], "decode": 3},
+        {"id": 2, "join": 2, "chunks": [2], "decode": 4},
+        {"id": 1, "join": 5, "chunks": [W // 2, W + 3], "decode": 3},
+    ]}, window)
+
+
+def validate(case, window: int) -> dict:
+    """A schedule given with --case, checked (a clear error rather than a KeyError mid-run)."""
+    def fail(why):
+        raise ValueError(f"--case is not a serving schedule: {why}; expected "
+                         '{"sequences": [{"id": 0, "join": 0, "chunks": [5, 3], "decode": 4}, ...]}')
+
+    if not isinstance(case, dict) or not isinstance(case.get("sequences"), list) or not case["sequences"]:
+        fail("no non-empty list 'sequences'")
+    for i, s in enumerate(case["sequences"]):
+        if not isinstance(s, dict) or set(s) != {"id", "join", "chunks", "decode"}:
+            fail(f"sequences[{i}] needs exactly id, join, chunks and decode")
+        numbers = [s["id"], s["join"], s["decode"], *s["chunks"]] if isinstance(s["chunks"], list) else []
+        if not s["chunks"] or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in numbers) \
+                or min(s["chunks"]) < 1:
+            fail(f"sequences[{i}]: id, join and decode are integers >= 0, chunks a non-empty list of sizes >= 1")
+        if s["decode"] > limits(window)["decode"] or sum(s["chunks"]) > limits(window)["prompt"]:
+            fail(f"sequences[{i}] is longer than a document: prompts of up to {limits(window)['prompt']} tokens, "
+                 f"up to {limits(window)['decode']} decode steps")
+    return normalize(case, window)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one sequence appends in one step."""
+
+    sequence: int  # its index in the schedule
+    start: int  # its length before the step
+    n: int
+    decode: bool
+
+
+def steps(schedule: dict) -> list[tuple[dict[int, Piece], list[int]]]:
+    """Per step: id -> the piece that sequence appends, and the ids released after the step (a step
+    in which no sequence is live is skipped)."""
+    out = [({}, []) for _ in range(max(_end(s) for s in schedule["sequences"]) + 1)]
+    for k, s in enumerate(schedule["sequences"]):
+        sizes = [(c, False) for c in s["chunks"]] + [(1, True)] * s["decode"]
+        start = 0
+        for t, (n, decode) in enumerate(sizes, s["join"]):
+            out[t][0][s["id"]] = Piece(k, start, n, decode)
+            start += n
+        out[_end(s)][1].append(s["id"])
+    return [step for step in out if step[0]]
+
+
+def length(sequence: dict) -> int:
+    return sum(sequence["chunks"]) + sequence["decode"]
+
+
+def features(schedule: dict, window: int) -> list[str]:
+    """Which of FEATURES the schedule has: a prompt in several chunks; a sequence longer than the
+    window (its ring overwritten); an id used twice; a step with both prefill and decode pieces."""
+    sequences = schedule["sequences"]
+    ids = [s["id"] for s in sequences]
+    mixed = any(len({p.decode for p in batch.values()}) == 2 for batch, _ in steps(schedule))
+    found = {"chunking": any(len(s["chunks"]) > 1 for s in sequences),
+             "wrap-around": any(length(s) > window for s in sequences),
+             "reuse": len(set(ids)) < len(ids), "mixed batch": mixed}
+    return [f for f in FEATURES if found[f]]
+
+
+def case_json(schedule: dict) -> str:
+    return json.dumps(schedule, separators=(",", ":"))
+
+
+# ----------------------------------------------------------------------------------------- documents
+
+class Documents:
+    """The token lists sequences read, with their reference and baseline prefills (computed once,
+    when first needed): document d's logits at position p judge every sequence reading d at p."""
+
+    def __init__(self, weights, checkpoint=None, seed: int = 0):
+        self.weights, self.config, self.checkpoint = weights, weights.config, checkpoint
+        window = min(l.window for l in self.config.layers if l.kind == "sliding")
+        self.window, self.length = window, document_length(window)
+        rng = np.random.default_rng(seed)
+        self.tokens = [rng.integers(0, self.config.vocab_size, self.length) for _ in range(DOCUMENTS)]
+
+    @cache
+    def reference(self, d: int) -> np.ndarray:
+        result, _ = reference(self.config, self.weights, self.tokens[d], certify=False)
+        return result["logits"]
+
+    @cache
+    def baseline(self, d: int, dtype: str) -> np.ndarray:
+        return composed(numpy_backend, self.config, self.weights, self.tokens[d], dtype)["logits"]
+
+    def of(self, k: int, sequence: dict) -> np.ndarray:
+        """The tokens sequence k of a schedule appends, in order."""
+        return self.tokens[k % DOCUMENTS][:length(sequence)]
+
+
+# ----------------------------------------------------------------------------------------- running
+
+def check_step(out, batch: Mapping[int, np.ndarray], vocab: int, dtype: str, where: str) -> None:
+    """A step's result must be a dict with exactly the stepped ids, each [n, V] in the dtype, no NaN
+    (the reference's logits are finite): anything else breaks the contract."""
+    want = fmt(dtype).dtype
+    expected = f"expected a dict with exactly the ids {sorted(batch)}, each a float array [n, {vocab}] in {dtype}"
+    if not isinstance(out, Mapping):
+        raise ContractViolation(f"{where} returned {type(out).__name__}; {expected}")
+    if set(out) != set(batch):
+        raise ContractViolation(f"{where} returned the ids {sorted(out, key=str)}; {expected}")
+    for seq, rows in out.items():
+        n = len(batch[seq])
+        if not isinstance(rows, np.ndarray):
+            raise ContractViolation(f"{where}: sequence {seq}'s logits are {type(rows).__name__}; {expected}")
+        if rows.shape != (n, vocab) or rows.dtype != want:
+            raise ContractViolation(f"{where}: sequence {seq} appended {n} tokens and got logits {rows.dtype} "
+                                    f"{list(rows.shape)}; {expected}")
+        if np.isnan(rows.astype(np.float64)).any():
+            raise ContractViolation(f"{where}: NaN in sequence {seq}'s logits, where the reference is finite")
+
+
+def _session(adapter, documents, dtype):
+    try:
+        return adapter.session(documents.weights, documents.config.raw, dtype, checkpoint=documents.checkpoint)
+    except Exception as e:
+        raise ContractViolation(f"{adapter.name}.session(...) in {dtype} raised {type(e).__name__}: {e}") from e
+
+
+def _call(what: str, fn, *args):
+    try:
+        return fn(*args)
+    except ContractViolation:
+        raise
+    except Exception as e:
+        raise ContractViolation(f"{what} raised {type(e).__name__}: {e}") from e
+
+
+def _close(session):
+    if hasattr(session, "close"):
+        _call("session.close()", session.close)
+
+
+@dataclass
+class Run:
+    """What a session returned for a schedule: per sequence its stepped rows (in order), whether
+    each row came from a decode step, and its own one-call prefill of the same tokens."""
+
+    stepped: list[np.ndarray]
+    decoded: list[np.ndarray]
+    prefilled: list[np.ndarray]
+    steps: int
+
+
+def run(adapter, schedule: dict, documents: Documents, dtype: str) -> Run:
+    """Play ``schedule`` on a fresh session, then prefill every sequence in one call on another."""
+    vocab = documents.config.vocab_size
+    sequences = schedule["sequences"]
+    tokens = [documents.of(k, s) for k, s in enumerate(sequences)]
+    pieces: list[list] = [[] for _ in sequences]
+    decoded: list[list] = [[] for _ in sequences]
+    plan = steps(schedule)
+    session = _session(adapter, documents, dtype)
+    for t, (batch, released) in enumerate(plan):
+        given = {seq: tokens[p.sequence][p.start:p.start + p.n] for seq, p in batch.items()}
+        where = f"{adapter.name} session.step #{t} of the schedule"
+        out = _call(where, session.step, given)
+        check_step(out, given, vocab, dtype, where)
+        for seq, p in batch.items():
+            pieces[p.sequence].append(out[seq])
+            decoded[p.sequence].append(np.full(p.n, p.decode))
+        for seq in released:
+            _call(f"session.release({seq}) after step #{t}", session.release, seq)
+    _close(session)
+    session = _session(adapter, documents, dtype)
+    given = dict(enumerate(tokens))
+    where = f"{adapter.name} session.step (one-call prefill of every sequence)"
+    out = _call(where, session.step, given)
+    check_step(out, given, vocab, dtype, where)
+    _close(session)
+    return Run([np.concatenate(p) for p in pieces], [np.concatenate(d) for d in decoded],
+               [out[k] for k in range(len(sequences))], len(plan))
+
+
+class LogitRows:
+    """An ops object whose LM head computes only ``rows`` (the graph is otherwise unchanged): a long
+    prefill's reference at the real vocabulary (262144) keeps the rows a verdict reads, not [T, V]."""
+
+    def __init__(self, ops, rows):
+        self.ops, self.rows, self.name = ops, np.asarray(rows), ops.name
+
+    def op(self, node, name, *args):
+        if node == "logits":
+            *head, x = args
+            args = (*head, x[self.rows])
+        return self.ops.op(node, name, *args)
+
+    def weight(self, array):
+        return self.ops.weight(array)
+
+
+# ----------------------------------------------------------------------------------------- verdict
+
+@dataclass
+class Position:
+    """One logit row against the reference: its relative error, the baseline's, and the ratio to
+    what the verdict allows a row (FACTOR x the baseline's error, or the floor)."""
+
+    ratio: float
+    error: float
+    baseline: float
+    sequence: int
+    position: int
+    decode: bool
+    schedule: dict | None = None
+
+
+@dataclass
+class ScheduleVerdict:
+    failures: list[str]
+    worst: Position
+    sequences: int
+    tokens: int
+    steps: int
+
+
+def worst_row(rows, baseline, ref, dtype: str, k: int, decoded) -> Position:
+    floor = FLOOR * fmt(dtype).eps
+    best = None
+    for p in range(len(rows)):
+        ec, eb = relative_error(rows[p], ref[p]), relative_error(baseline[p], ref[p])
+        ratio = ec / max(FACTOR * eb, floor)
+        if best is None or ratio > best.ratio:
+            best = Position(ratio, ec, eb, k, p, bool(decoded[p]))
+    return best
+
+
+def judge(result: Run, schedule: dict, documents: Documents, dtype: str) -> ScheduleVerdict:
+    """forward.judge_forward on each sequence's rows: against the reference (with the baseline's
+    allowance), and against the session's own one-call prefill."""
+    failures, worst = [], None
+    for k, s in enumerate(schedule["sequences"]):
+        L, d = length(s), k % DOCUMENTS
+        rows, ref, base = result.stepped[k], documents.reference(d)[:L], documents.baseline(d, dtype)[:L]
+        name = f"sequence {k} (id {s['id']}, {L} tokens, document {d})"
+        verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype)
+        failures += [f"{name} against the reference: {f}" for f in verdict.failures]
+        # The relation in the same verdict: the stepped rows' departure from the session's own prefill,
+        # laid on the reference, against the baseline's error (two runs of one engine differ by about
+        # one engine's error; the baseline's error against its own prefill would be 0 for numpy).
+        departure = ref + (rows.astype(np.float64) - result.prefilled[k].astype(np.float64))
+        relation = judge_forward({"logits": departure}, {"logits": base}, {"logits": ref}, dtype)
+        failures += [f"{name} stepped against the session's own one-call prefill: {f}" for f in relation.failures]
+        row = worst_row(rows, base, ref, dtype, k, result.decoded[k])
+        if worst is None or row.ratio > worst.ratio:
+            worst = row
+    worst.schedule = schedule
+    return ScheduleVerdict(failures, worst, len(schedule["sequences"]),
+                           sum(length(s) for s in schedule["sequences"]), result.steps)
+
+
+# ----------------------------------------------------------------------------------------- record
+
+@dataclass
+class ServingRecord:
+    """Per backend and dtype: what the serving test checked, the worst row, and its failing schedules."""
+
+    backend: str
+    dtype: str
+    outcome: str = "not run"  # passed, failed, errored, unsupported
+    schedules: int = 0
+    sequences: int = 0
+    steps: int = 0
+    tokens: int = 0
+    worst: Position | None = None
+    failing: int = 0  # failing schedules judged (Hypothesis's shrinking included)
+    failing_features: dict = field(default_factory=lambda: {f: 0 for f in FEATURES})
+    case: dict | None = None  # the last failing (or breaking) schedule: Hypothesis replays the minimal one last
+    features: list = field(default_factory=list)  # that schedule's features
+    message: str = ""
+    rerun: str = ""
+
+    def add(self, verdict: ScheduleVerdict) -> None:
+        self.schedules += 1
+        self.sequences += verdict.sequences
+        self.steps += verdict.steps
+        self.tokens += verdict.tokens
+        if self.worst is None or verdict.worst.ratio > self.worst.ratio:
+            self.worst = verdict.worst
+
+    def fail(self, schedule: dict, window: int, message: str, rerun: str, broke: bool = False) -> None:
+        found = features(schedule, window)
+        if broke or self.outcome != "errored":
+            self.outcome = "errored" if broke else "failed"
+            self.case, self.features, self.message, self.rerun = schedule, found, message, rerun
+        if not broke:
+            self.failing += 1
+            for f in found:
+                self.failing_features[f] += 1

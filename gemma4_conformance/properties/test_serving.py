@@ -1,0 +1,162 @@
+"""The serving path: schedules of KV-cache decoding, chunked prefill and continuous batching, every
+returned logit row against the reference (serving.py).
+
+Always on the generated CI checkpoint (fixtures.generate.small_config, sliding window 8), where a
+schedule wraps every ring several times in a few dozen tokens; the real window (1024) is run by the
+slow test below (``pytest -m slow``), on --weights when given.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.spec.model import forward
+
+from .forward import AdapterOps, Certificate, judge_forward
+from .harness import ContractViolation, rerun_command
+from .serving import (
+    EXAMPLES_SHARE,
+    SERVING_DTYPES,
+    Documents,
+    LogitRows,
+    ServingRecord,
+    case_json,
+    check_step,
+    every_feature,
+    judge,
+    length,
+    run,
+    schedules,
+    validate,
+    worst_row,
+)
+
+
+@pytest.fixture(scope="session")
+def documents(tmp_path_factory):
+    path = generate.write_checkpoint(tmp_path_factory.mktemp("gemma4-serving"), generate.small_config(), seed=0)
+    return Documents(checkpoint.load(path), checkpoint=str(path))
+
+
+@pytest.mark.parametrize("serving_dtype", SERVING_DTYPES)
+def test_serving_matches_reference(request, backend, adapter, serving_dtype, documents):
+    if serving_dtype not in adapter.dtypes or serving_dtype not in request.config.conformance_dtypes:
+        pytest.skip(f"{adapter.name} is not tested in {serving_dtype} here")
+    record = request.config.conformance_recorder.serving.setdefault(
+        (adapter.name, serving_dtype), ServingRecord(adapter.name, serving_dtype))
+    if not hasattr(adapter, "session"):
+        record.outcome = "unsupported"
+        pytest.skip(f"{adapter.name} does not support the serving path (it has no session)")
+    window = documents.window
+
+    def check(schedule):
+        command = rerun_command(request.node, backend, schedule)
+        try:
+            verdict = judge(run(adapter, schedule, documents, serving_dtype), schedule, documents, serving_dtype)
+        except ContractViolation as e:
+            record.fail(schedule, window, str(e), command, broke=True)
+            raise ContractViolation(f"{e}\n  schedule: {case_json(schedule)}\n  rerun: {command}") from None
+        record.add(verdict)
+        if verdict.failures:
+            record.fail(schedule, window, verdict.failures[0], command)
+            pytest.fail("\n".join(verdict.failures) + f"\n  schedule: {case_json(schedule)}\n  rerun: {command}",
+                        pytrace=False)
+
+    case = request.config.conformance_case
+    if case is not None:
+        try:
+            schedule = validate(case, window)
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
+        check(schedule)
+    else:
+        check(every_feature(window))  # in every profile, before any drawn schedule
+
+        @settings(max_examples=max(1, settings.default.max_examples // EXAMPLES_SHARE))
+        @given(schedules(window))
+        def drawn(schedule):
+            check(schedule)
+
+        drawn()
+    record.outcome = "passed"
+
+
+SLOW_DECODE = 4  # decode steps after the prefill
+SLOW_RSS_LIMIT = 8 * 2**30
+
+
+@pytest.mark.slow
+def test_serving_at_the_real_12b_geometry(request, backend, adapter, real_checkpoint):
+    """The real window (1024) in a session: a prompt prefilled in two chunks, the first ending short of
+    the window (by a size that does not divide it), the second past it, so that it wraps every
+    sliding ring; then decode steps reading the wrapped rings.  Judged in float32 (where the
+    adapter has it: cache bugs do not depend on the dtype, and float32's small baseline error lets
+    none hide) on the rows around the wrap, against the certified float64 reference prefill and the
+    plain baseline; the weights stream a layer at a time and the process stays under 8 GiB."""
+    if not hasattr(adapter, "session"):
+        pytest.skip(f"{adapter.name} does not support the serving path (it has no session)")
+    path, given, seconds = real_checkpoint
+    timings = {"generation": seconds}
+    weights = checkpoint.load(path)
+    config = weights.config
+    dtype = "float32" if "float32" in adapter.dtypes else "bfloat16"
+    window = min(l.window for l in config.layers if l.kind == "sliding")
+    chunks = (window - window // 40 - 1, window // 32 + 2)  # (998, 34) at 1024
+    schedule = {"sequences": [{"id": 0, "join": 0, "chunks": list(chunks), "decode": SLOW_DECODE}]}
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, length(schedule["sequences"][0]))
+    judged = np.arange(max(0, chunks[0] - 8), len(tokens))  # the first chunk's end, the wrap, the decode steps
+    pieces = [(0, chunks[0]), (chunks[0], chunks[1])] + [(sum(chunks) + i, 1) for i in range(SLOW_DECODE)]
+    certificate = Certificate()
+
+    def served():
+        session, rows = adapter.session(weights, config.raw, dtype, checkpoint=str(path)), []
+        for t, (start, n) in enumerate(pieces):
+            given_tokens = {0: tokens[start:start + n]}
+            out = session.step(given_tokens)
+            check_step(out, given_tokens, config.vocab_size, dtype, f"{adapter.name} session.step #{t}")
+            keep = judged[(judged >= start) & (judged < start + n)] - start
+            rows.append(out[0][keep])  # the rest of a [998, 262144] chunk is dropped at once
+            del out
+        session.release(0)
+        if hasattr(session, "close"):
+            session.close()
+        return np.concatenate(rows)
+
+    stages = {"session": served,
+              "reference": lambda: forward(LogitRows(AdapterOps(numpy_backend, "float64", observe=certificate),
+                                                     judged), config, weights, tokens)["logits"],
+              "baseline": lambda: forward(LogitRows(AdapterOps(numpy_backend, dtype), judged), config, weights,
+                                          tokens)["logits"]}
+    results = {}
+    for stage, compute in stages.items():
+        start = time.perf_counter()
+        results[stage] = compute()
+        timings[stage] = time.perf_counter() - start
+    rows, ref, base = results["session"], results["reference"], results["baseline"]
+    verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype)
+    record = request.config.conformance_recorder.serving.setdefault(
+        (f"{adapter.name} (12B)", dtype), ServingRecord(f"{adapter.name} (12B)", dtype))
+    record.schedules, record.sequences, record.steps, record.tokens = 1, 1, len(pieces), len(judged)
+    record.worst = worst_row(rows, base, ref, dtype, 0, judged >= sum(chunks))
+    record.worst.position += int(judged[0])
+    record.worst.schedule = schedule
+    command = rerun_command(request.node, backend, weights=given) + " -m slow -s"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"\n12B geometry, a session of {len(tokens)} tokens (window {window}; chunks {chunks}, "
+          f"{SLOW_DECODE} decode steps) in {dtype}, {len(judged)} rows judged: "
+          + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+          + f"; peak RSS {peak / 2**30:.2f} GiB; certified op calls {certificate.calls}; worst row "
+          f"{record.worst.position}: {record.worst.error:.3g} (baseline {record.worst.baseline:.3g})")
+    assert not certificate.failures, "\n".join(certificate.failures[:10])  # the suite's own reference broke
+    if verdict.failures:
+        record.fail(schedule, window, verdict.failures[0], command)
+        pytest.fail("\n".join(verdict.failures) + f"\n  rerun: {command}", pytrace=False)
+    record.outcome = "passed"
+    assert peak <= SLOW_RSS_LIMIT, f"peak RSS {peak / 2**30:.2f} GiB > 8 GiB"
