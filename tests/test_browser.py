@@ -25,7 +25,7 @@ BACKENDS = ("numpy", "torch", "jax")
 # Per op, the cell classes of make_recorder()'s results in each dtype (float32, bfloat16), as in test_report.
 CELLS = {"sigmoid": ("fail", "none"), "silu": ("ok", "none"), "softcap": ("known", "none"), "rope": ("warn", "fail"),
          "linear": ("none", "unsup"), "softmax": ("none", "ok"), "forward": ("fail", "ok"),
-         "trace": ("none", "fail")}
+         "trace": ("none", "fail"), "serving": ("fail", "ok")}
 WHITE = ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)")  # white, or transparent over the white page
 
 
@@ -107,7 +107,7 @@ def test_the_matrix_is_visible_with_a_row_per_op_and_coloured_cells(browser, doc
         cells: [...tr.querySelectorAll('td.cell')].map(td => ({
             cls: td.className.replace('cell', '').trim(), background: getComputedStyle(td).backgroundColor}))}))""")
     ops = list(dict.fromkeys(r["op"] for r in documents[0]["results"]))
-    assert [row["op"] for row in rows] == [*ops, "forward", "trace"]
+    assert [row["op"] for row in rows] == [*ops, "forward", "trace", "serving"]
     backgrounds = {}
     for row in rows:
         # Columns: each dtype, then each backend within it.

@@ -16,6 +16,7 @@ from gemma4_conformance.properties.budget import budget
 from gemma4_conformance.properties.deviations import Deviation
 from gemma4_conformance.properties.record import Problem, Recorder
 from gemma4_conformance.properties.trace import NodeVerdict, TraceVerdict
+from gemma4_conformance.properties.serving import Position, ServingRecord
 from gemma4_conformance.report.__main__ import main
 
 ROPE_COMMAND = ("pytest -p gemma4_conformance.plugin --pyargs "
@@ -27,6 +28,10 @@ FORWARD_COMMAND = ("pytest -p gemma4_conformance.plugin --pyargs "
 TRACE_COMMAND = FORWARD_COMMAND.replace("test_forward_matches_reference[torch-float32]",
                                         "test_trace_nodes_match_their_ops[torch-bfloat16]")
 Q_NORM_FAILURE = "error 6.2 ULPs at the op's scale > budget 1.5 (1.5) at (3, 0, 7): got 0.5, exact 0.49"
+SERVING_COMMAND = ("pytest -p gemma4_conformance.plugin --pyargs "
+                   "'gemma4_conformance.properties.test_serving::test_serving_matches_reference[torch-float32]' "
+                   "--backend=torch '--case={\"sequences\":[{\"id\":0,\"join\":0,\"chunks\":[5,6],\"decode\":3}]}'")
+SCHEDULE = {"sequences": [{"id": 0, "join": 0, "chunks": [5, 6], "decode": 3}]}
 HOSTILE = "<script>alert(1)</script>"
 
 
@@ -82,6 +87,14 @@ def make_recorder(backend: str = "torch") -> Recorder:
     trace = TraceVerdict("bfloat16", nodes, rerun=TRACE_COMMAND.replace("torch", backend))
     trace.failures.append(f"trace: {trace.summary()}: {Q_NORM_FAILURE}")
     recorder.traces[backend, "bfloat16"] = trace
+    passed = recorder.serving[backend, "bfloat16"] = ServingRecord(backend, "bfloat16", "passed", 6, 12, 43, 184)
+    passed.worst = Position(0.36, 0.069, 0.064, 1, 26, True, SCHEDULE)
+    failed = recorder.serving[backend, "float32"] = ServingRecord(backend, "float32", "failed", 5, 9, 30, 120)
+    failed.worst = Position(3e4, 0.06, 1.9e-6, 0, 10, False, SCHEDULE)
+    failed.failing, failed.failing_features = 3, {"chunking": 3, "wrap-around": 2, "reuse": 0, "mixed batch": 1}
+    failed.case, failed.features = SCHEDULE, ["chunking", "wrap-around"]
+    failed.message = "sequence 0 (id 0, 14 tokens, document 0) against the reference: logits: relative error 0.06"
+    failed.rerun = SERVING_COMMAND.replace("torch", backend)
     return recorder
 
 
@@ -202,6 +215,28 @@ def test_the_trace_section_shows_the_first_departing_node_and_the_grid_by_layer(
     assert "trace — first departing node layers.0.q_norm" in failures
 
 
+def test_a_serving_entry_has_what_was_checked_the_worst_row_and_the_failing_features(doc):
+    fp32, bf16 = doc["serving"]  # sorted by dtype
+    assert (fp32["dtype"], fp32["outcome"], bf16["outcome"]) == ("float32", "failed", "passed")
+    assert (bf16["schedules"], bf16["sequences"], bf16["steps"], bf16["tokens"]) == (6, 12, 43, 184)
+    assert bf16["worst"] == {"ratio": 0.36, "error": 0.069, "baseline": 0.064, "sequence": 1, "position": 26,
+                             "decode": True, "schedule": SCHEDULE}
+    assert fp32["failing"] == 3 and fp32["failing_features"]["chunking"] == 3 and fp32["features"] == [
+        "chunking", "wrap-around"]
+    assert fp32["case"] == SCHEDULE and fp32["rerun"] == SERVING_COMMAND and fp32["factor"] == 3.0
+    assert bf16["case"] is None and bf16["rerun"] == "" and bf16["message"] == ""
+
+
+def test_an_adapter_without_a_session_is_listed_as_not_supporting_the_serving_path():
+    recorder = Recorder()
+    recorder.serving["minimal", "float32"] = ServingRecord("minimal", "float32", "unsupported")
+    [entry] = report.document(recorder, {})["serving"]
+    assert entry["outcome"] == "unsupported" and entry["worst"] is None and entry["tokens"] == 0
+    section = _section(report.render([report.document(recorder, {})]), "serving", "environment")
+    assert "minimal" in section and "not supported (no session)" in section
+    assert any("minimal" in line and "no session" in line for line in recorder.table())
+
+
 def test_the_histogram_is_capped_and_keeps_the_extremes():
     recorder = Recorder()
     _record(recorder, "numpy", "float32", "sigmoid", [i / 100 for i in range(2000)], 30.0, "passed")
@@ -224,6 +259,7 @@ def test_the_environment_names_suite_libraries_python_cpu_and_date():
 @pytest.mark.parametrize("mutate, says", [
     (lambda d: d.update(schema="something-else"), "not a gemma4-conformance-report"),
     (lambda d: d.update(version=report.VERSION + 1), f"version {report.VERSION + 1} is newer"),
+    (lambda d: d.update(version=report.VERSION - 1), f"version {report.VERSION - 1} is older"),
     (lambda d: d.update(version="1"), '"version" is'),
     (lambda d: d.pop("results"), '"results" is missing'),
     (lambda d: d["results"][1].pop("rerun"), "results[1] lacks the field 'rerun'"),
@@ -232,6 +268,8 @@ def test_the_environment_names_suite_libraries_python_cpu_and_date():
     (lambda d: d["forward"][0]["logits"].pop("baseline"), "forward[0].logits needs"),
     (lambda d: d["traces"][0]["nodes"][2].update(outcome="wobbly"), "traces[0].nodes[2].outcome is 'wobbly'"),
     (lambda d: d["traces"][0].pop("first_departure"), "traces[0] lacks the field 'first_departure'"),
+    (lambda d: d["serving"][1].pop("tokens"), "serving[1] lacks the field 'tokens'"),
+    (lambda d: d["serving"][0].update(outcome="fine"), "serving[0].outcome is 'fine'"),
 ])
 def test_load_refuses_a_broken_report_and_names_the_file(doc, tmp_path, mutate, says):
     broken = json.loads(json.dumps(doc))
@@ -286,12 +324,14 @@ def matrix(page):
 def test_the_matrix_has_every_op_coloured_by_headroom(page):
     rows = matrix(page)
     assert set(rows) == {"sigmoid", "silu", "softcap", "rope", "linear", "softmax", "forward", "trace"}
+    assert set(rows) == {"sigmoid", "silu", "softcap", "rope", "linear", "softmax", "forward", "serving"}
     assert rows["softcap"] == ["known", "none"]
     # Columns: float32 then bfloat16, one backend each.
     assert rows["rope"] == ["warn", "fail"]
     assert rows["softmax"] == ["none", "ok"] and rows["linear"] == ["none", "unsup"]
     assert rows["sigmoid"] == ["fail", "none"] and rows["silu"] == ["ok", "none"]
     assert rows["forward"] == ["fail", "ok"] and rows["trace"] == ["none", "fail"]
+    assert rows["forward"] == rows["serving"] == ["fail", "ok"]
     assert "7.1 / 4.5" in page
 
 
@@ -305,6 +345,8 @@ def test_the_failures_section_comes_first_and_names_the_op_and_its_rerun(page):
     assert "layer 0: relative error" in failures  # and so does a failed forward,
     assert FORWARD_COMMAND in html.unescape(failures)  # with the command that reruns it
     assert "float32-sigmoid]" in html.unescape(failures)  # as the errored op has the case it broke on
+    assert "serving path — failed" in failures and "wrap-around" in failures  # a failed serving path,
+    assert SERVING_COMMAND in html.unescape(failures)  # with the schedule to rerun
     assert "no rerun command recorded" not in failures
     assert "softmax" not in failures
 
@@ -346,6 +388,14 @@ def test_the_theorem_matrix_shows_held_and_violated(page):
     cells = dict(re.findall(r'data-relation="(\w+)">.*?<td class="cell (\w+)"', table, re.DOTALL))
     assert "violated" in table and "held" in table
     assert set(cells) == {"softmax_sums_to_one", "rope_keeps_pair_norms"}
+
+
+def test_the_serving_section_gives_per_backend_and_dtype_what_was_checked_and_the_worst_row(page):
+    section = _section(page, "serving", "environment")
+    for text in ("184", "43", "position 26 (decode)", "position 10 (prefill chunk)", "0.069 / 0.064",
+                 "chunking (3), wrap-around (2), mixed batch (1)"):
+        assert text in section, text
+    assert "reuse (0)" not in section
 
 
 def test_the_page_is_self_contained_with_inline_svg_charts(page):

@@ -11,18 +11,20 @@ Schema ``gemma4-conformance-report``, version 4
 Top level (an object)::
 
     schema       "gemma4-conformance-report"
-    version      4 (an integer; a reader refuses versions it does not know).  Version 2 added
+    version      5 (an integer; a reader refuses versions it does not know).  Version 2 added
                  ``worst_ulps`` and ``forward[i].rerun``, made ``max_ulps`` the largest error of any
                  example (in version 1 it was the worst example's) and the histogram a fraction of
                  each example's budget.  Version 3 added ``results[i].informative``, the outcome
                  "not established", and the second tier of attention's budgets.  Version 4 added
-                 ``traces``
+                 ``traces``, version 5 ``serving``, the serving paths verdicts.
     environment  object: where and with what the run happened (below)
     results      array: one entry per backend x dtype x op that the run recorded (below)
     relations    array: one entry per backend x dtype x theorem of the spec checked (below)
     forward      array: one entry per backend x dtype whose full forward ran (below)
     traces       array: one entry per backend x dtype whose forward's trace was judged node by node
                  (below)
+    serving      array: one entry per backend x dtype whose serving path was tested, or found
+                 unsupported (below)
     problems     array: the tests that broke rather than failed (below); when not empty the run's
                  verdict is incomplete and it exited 6
     deviations   array: the entries of the known-deviations files the run was given (below)
@@ -147,6 +149,32 @@ means "not measured" (an op with no examples has no error statistics).
                     budget would also admit a trivially wrong answer there, as ``results``' examples)}
     failures        array of strings: why the verdict failed (empty when it passed)
     rerun           the command that reruns this trace's test (deterministic, like the forward's)
+
+``serving[i]`` (sorted by backend, then dtype; properties/serving.py)::
+
+    backend, dtype  as in ``forward``
+    outcome         "passed", "failed", "known deviation", "errored" (the session raised or broke
+                    its contract) or "unsupported" (the adapter has no ``session``)
+    schedules       schedules played (an integer; Hypothesis's shrinking included)
+    sequences, steps, tokens
+                    integers: the sequences of those schedules, the steps they took, and the tokens
+                    appended, each of which returned a logit row that was judged
+    worst           the row nearest what the verdict allows, or null when none was judged:
+                    {"ratio": its relative error over FACTOR x the baseline's (or the floor),
+                    "error", "baseline": the relative errors of the row and of the baseline's row
+                    against the reference, "sequence": its index in the schedule, "position",
+                    "decode": true for a decode step's row, false for a prefill chunk's,
+                    "schedule": the schedule}
+    factor, floor   as in ``forward``
+    failing         failing schedules judged (an integer; Hypothesis's shrinking included)
+    failing_features
+                    object: feature ("chunking", "wrap-around", "reuse", "mixed batch") -> how many
+                    of the failing schedules have it
+    case            the last failing schedule (Hypothesis replays the minimal one last; the JSON
+                    ``--case`` takes), or the one the session broke on; null when none
+    features        array of strings: that schedule's features
+    message         why it failed or broke ("" when it passed)
+    rerun           the command that reruns that schedule ("" when none)
     deviation       as in ``results``
 
 ``relations[i]`` (sorted like ``results``)::
@@ -196,7 +224,7 @@ from gemma4_conformance.properties.record import reported
 from gemma4_conformance.spec import CONTRACT, fmt
 
 SCHEMA = "gemma4-conformance-report"
-VERSION = 4
+VERSION = 5
 HISTOGRAM_CAP = 500
 OUTCOMES = ("passed", "failed", "known deviation", "errored", "not established", "unsupported", "not run")
 LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "transformers", "ml_dtypes", "mpmath", "hypothesis")
@@ -225,6 +253,11 @@ TRACE_FIELDS = {
 NODE_FIELDS = {"node": str, "op": str, "outcome": str, "error": "number", "budget": "number", "message": str,
                "informative": bool}
 NODE_OUTCOMES = ("passed", "failed", "not traced", "inputs not traced")
+SERVING_FIELDS = {
+    "backend": str, "dtype": str, "outcome": str, "schedules": int, "sequences": int, "steps": int, "tokens": int,
+    "worst": (dict, type(None)), "factor": "number", "floor": "number", "failing": int, "failing_features": dict,
+    "case": (dict, type(None)), "features": list, "message": str, "rerun": str, "deviation": str,
+}
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
@@ -376,6 +409,33 @@ def trace_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dict:
     }
 
 
+def serving_entry(record, deviation: str = "") -> dict:
+    """One ``serving`` entry from a ``properties.serving.ServingRecord``."""
+    w = record.worst
+    worst = None if w is None else {
+        "ratio": encode(w.ratio), "error": encode(w.error), "baseline": encode(w.baseline), "sequence": w.sequence,
+        "position": w.position, "decode": w.decode, "schedule": _jsonable(w.schedule)}
+    return {
+        "backend": record.backend,
+        "dtype": record.dtype,
+        "outcome": reported(record.outcome, deviation),
+        "schedules": record.schedules,
+        "sequences": record.sequences,
+        "steps": record.steps,
+        "tokens": record.tokens,
+        "worst": worst,
+        "factor": encode(FACTOR),
+        "floor": encode(FLOOR * fmt(record.dtype).eps),
+        "failing": record.failing,
+        "failing_features": dict(record.failing_features),
+        "case": _jsonable(record.case) if record.case is not None else None,
+        "features": list(record.features),
+        "message": record.message,
+        "rerun": record.rerun,
+        "deviation": deviation,
+    }
+
+
 def document(recorder, env: dict | None = None, deviations=()) -> dict:
     """The report document of a run: ``recorder`` is the plugin's ``properties.record.Recorder``;
     ``env`` is ``environment()``'s dict (collected now when None); ``deviations`` the
@@ -396,6 +456,9 @@ def document(recorder, env: dict | None = None, deviations=()) -> dict:
                     for (backend, dtype), v in forward],
         "traces": [trace_entry(backend, dtype, v, excused.get((backend, dtype, "trace"), ""))
                    for (backend, dtype), v in traces],
+        "serving": [serving_entry(r, excused.get((backend, dtype, "serving"), ""))
+                    for (backend, dtype), r in sorted(recorder.serving.items(),
+                                                      key=lambda item: (item[0][0], dtype_rank(item[0][1])))],
         "problems": [{"test": p.test, "phase": p.phase, "message": p.message} for p in recorder.problems],
         "deviations": [deviation_entry(e) for e in deviations],
     }
@@ -535,7 +598,7 @@ def validate(document, source: str = "<document>") -> dict:
         raise ReportError(f"{source}: report schema version {version} is {newer} the version this suite reads "
                           f"({VERSION}); render it with the gemma4-conformance that wrote it")
     for key, kind in (("environment", dict), ("results", list), ("relations", list), ("forward", list),
-                      ("traces", list), ("problems", list), ("deviations", list)):
+                      ("traces", list), ("serving", list), ("problems", list), ("deviations", list)):
         if not isinstance(document.get(key), kind):
             raise ReportError(f"{source}: \"{key}\" is missing or not an {'object' if kind is dict else 'array'}")
     for i, entry in enumerate(document["results"]):
@@ -552,6 +615,10 @@ def validate(document, source: str = "<document>") -> dict:
         _check_fields(entry, PROBLEM_FIELDS, f"problems[{i}]", source)
     for i, entry in enumerate(document["deviations"]):
         _check_fields(entry, DEVIATION_FIELDS, f"deviations[{i}]", source)
+    for i, entry in enumerate(document["serving"]):
+        _check_fields(entry, SERVING_FIELDS, f"serving[{i}]", source)
+        if entry["outcome"] not in OUTCOMES:
+            raise ReportError(f"{source}: serving[{i}].outcome is {entry['outcome']!r}, expected one of {OUTCOMES}")
     for i, entry in enumerate(document["forward"]):
         _check_fields(entry, FORWARD_FIELDS, f"forward[{i}]", source)
         for key in ("layers", "logits", "logprob_gap"):

@@ -19,7 +19,9 @@ budget with their rerun commands, the error histograms (one chart per backend x 
 op, each example's error as a fraction of its budget), the full forward (per-layer relative error of
 candidate and baseline, log scale), the trace (per backend and dtype the first departing node and
 every node by layer: a grid of layers x nodes coloured by outcome, with the counts judged, passed,
-failed, not traced and inputs not traced per layer), and each document's environment.
+failed, not traced and inputs not traced per layer), the serving path (per backend and dtype the
+schedules, sequences, steps and tokens checked, the worst row, the features of the failing schedules;
+backends without a session listed as not supporting it), and each document's environment.
 
 With several documents, a backend that occurs in more than one is labelled ``backend · label``,
 the label being the document's (the file's name for ``gemma4-conformance-report merge``).
@@ -285,7 +287,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     # carries the document's label.
     seen_in: dict[str, set[int]] = {}
     for i, d in enumerate(documents):
-        for entry in d["results"] + d["forward"] + d["traces"]:
+        for entry in d["results"] + d["forward"] + d["traces"] + d["serving"]:
             seen_in.setdefault(entry["backend"], set()).add(i)
 
     def label(i: int, backend: str) -> str:
@@ -334,8 +336,14 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                        "rerun": command(t["rerun"]),
                        "setting": setting(documents[i]["environment"], b)}
                       for (i, b, dt), t in trace.items() if t["outcome"] == "failed"]
+    serving = {(i, e["backend"], e["dtype"]): e for i, d in enumerate(documents) for e in d["serving"]}
+    serving_failures = [{"column": label(i, b), "dtype": dt, "outcome": e["outcome"], "message": e["message"],
+                         "features": ", ".join(e["features"]) or "none of the features",
+                         "failing": e["failing"], "rerun": command(e["rerun"]),
+                         "setting": setting(documents[i]["environment"], b)}
+                        for (i, b, dt), e in serving.items() if e["outcome"] in ("failed", "errored")]
     failing_settings = []  # each failing backend's device and math modes, once, above the failures
-    for f in failures + forward_failures + trace_failures:
+    for f in failures + forward_failures + trace_failures + serving_failures:
         if f["setting"] and (f["column"], f["setting"]) not in failing_settings:
             failing_settings.append((f["column"], f["setting"]))
 
@@ -372,10 +380,11 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     # What broke, and the known deviations (excused results, and the files' stale or unmatched entries).
     problems = [{"label": doc_labels[i], **p} for i, d in enumerate(documents) for p in d["problems"]]
     excused = [{"column": label(i, e["backend"]), "dtype": e["dtype"],
-                "subject": e.get("op") or e.get("relation") or "full forward", "reason": e["deviation"],
+                "subject": e.get("op") or e.get("relation") or ("serving path" if "schedules" in e else "full forward"),
+                "reason": e["deviation"],
                 "detail": (f"{fmt(e['worst_ulps'])} ULPs against {fmt(e['budget_ulps'])}" if "worst_ulps" in e
                            else e.get("message") or "; ".join(e.get("failures", [])))}
-               for i, d in enumerate(documents) for e in d["results"] + d["relations"] + d["forward"]
+               for i, d in enumerate(documents) for e in d["results"] + d["relations"] + d["forward"] + d["serving"]
                if e["outcome"] == "known deviation"]
     stale = [{"label": doc_labels[i], **e} for i, d in enumerate(documents) for e in d["deviations"]
              if e["status"] != "excused"]
@@ -465,6 +474,31 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
             trace_row.append({"cls": status(t), "text": t["outcome"],
                               "sub": f"first: {first['node']}" if first else "",
                               "title": f"{b} {dtype} trace: {t['summary']}", "href": "#trace"})
+    serving_row = []
+    for dtype in dtypes:
+        for i, b in columns:
+            e = serving.get((i, b, dtype))
+            if e is None:
+                serving_row.append({"cls": "none", "text": "", "sub": "", "title": "", "href": None})
+                continue
+            w = e["worst"]
+            serving_row.append({"cls": status(e), "text": e["outcome"],
+                                "sub": f"worst row {fmt(w['ratio'])} of allowed" if w else "",
+                                "title": f"{b} {dtype} serving path: {e['outcome']}; {e['tokens']} tokens of "
+                                         f"{e['sequences']} sequences in {e['schedules']} schedules",
+                                "href": "#serving"})
+    servings = []
+    for (i, b, dtype), e in sorted(serving.items(), key=lambda kv: (kv[0][0], kv[0][1], dtype_rank(kv[0][2]))):
+        w = e["worst"]
+        servings.append({"column": label(i, b), "dtype": dtype, "outcome": e["outcome"],
+                         "schedules": e["schedules"], "sequences": e["sequences"], "steps": e["steps"],
+                         "tokens": e["tokens"],
+                         "worst": None if w is None else {
+                             "position": w["position"], "kind": "decode" if w["decode"] else "prefill chunk",
+                             "error": fmt(w["error"]), "baseline": fmt(w["baseline"]), "ratio": fmt(w["ratio"])},
+                         "failing": e["failing"],
+                         "failing_features": ", ".join(f"{name} ({n})" for name, n in e["failing_features"].items()
+                                                       if n) or ("none" if e["failing"] else "")})
 
     # Passing ops closest to their budget, per column.
     closest = []
@@ -527,6 +561,9 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         "trace_row": trace_row if any(c["text"] for c in trace_row) else None,
         "traces": traces,
         "layer_nodes": list(LAYER_NODES),
+        "serving_row": serving_row if any(c["text"] for c in serving_row) else None,
+        "servings": servings,
+        "serving_failures": serving_failures,
         "closest": closest,
         "slack": slack if any(c["text"] for row in slack for c in row["cells"]) else None,
         "slack_note": fmt(SLACK_NOTE),
