@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import time
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -165,6 +166,21 @@ def pytest_generate_tests(metafunc):
         params = [pytest.param(spec, adapter, id=adapter.name)
                   for spec, adapter in metafunc.config.conformance_backends.items()]
         metafunc.parametrize("backend, adapter", params)
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint(request, tmp_path_factory):
+    """The slow tests' checkpoint, written once for the run they share: (path, the --weights given or
+    None, seconds spent writing). ``--weights`` when given, else the real 12B geometry generated in
+    the real layout (24 GB) in a temporary folder."""
+    from gemma4_conformance.fixtures import generate
+
+    given = request.config.getoption("--weights")
+    if given is not None:
+        return given, given, 0.0
+    start = time.perf_counter()
+    path = generate.write_checkpoint(tmp_path_factory.mktemp("gemma4-12b"), generate.real_config(), seed=0, shards=5)
+    return path, None, time.perf_counter() - start
 
 
 def _suite_module(module) -> bool:

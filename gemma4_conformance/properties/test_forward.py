@@ -112,17 +112,13 @@ RSS_LIMIT = 8 * 2**30
 
 
 @pytest.mark.slow
-def test_forward_at_the_real_12b_geometry(request, backend, adapter, tmp_path_factory):
+def test_forward_at_the_real_12b_geometry(request, backend, adapter, real_checkpoint):
     """The real 12B geometry for a few tokens, streaming: the weights are mapped and read one layer at a
     time, the vocabulary in chunks, and the process stays under 8 GiB (run alone: the peak is the
-    process's).  Generated in the real layout unless ``--weights`` names real weights."""
-    timings = {}
-    start = time.perf_counter()
-    path = given = request.config.getoption("--weights")
-    if path is None:
-        path = generate.write_checkpoint(tmp_path_factory.mktemp("gemma4-12b"), generate.real_config(), seed=0,
-                                         shards=5)
-    timings["generation"] = time.perf_counter() - start
+    process's).  Generated in the real layout unless ``--weights`` names real weights (the plugin's
+    ``real_checkpoint``, shared with the serving path's slow test)."""
+    path, given, seconds = real_checkpoint
+    timings = {"generation": seconds}
     weights = checkpoint.load(path)
     tokens = np.random.default_rng(0).integers(0, weights.config.vocab_size, SLOW_TOKENS)
     dtype = "bfloat16"
