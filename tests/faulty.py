@@ -1,9 +1,11 @@
-"""Adapters that break (and some that also fail), for the plugin's tests: --backend=tests.faulty:ADAPTERS.<name>."""
+"""Adapters that break (and some that also fail), for the plugin's tests: --backend=tests.faulty:ADAPTERS.<name>,
+and sessions that break the serving contract: --backend=tests.faulty:SESSIONS.<name>."""
 
 from types import SimpleNamespace
 
 import numpy as np
 
+from gemma4_conformance.adapters import numpy_backend
 from tests.mutants import MutantAdapter
 
 
@@ -27,3 +29,22 @@ ADAPTERS = SimpleNamespace(
     softmax_raises_on_long_rows_and_is_wrong_on_short=MutantAdapter(
         "softmax", softmax_raises_on_long_rows_and_is_wrong_on_short),
 )
+
+
+class LastRowOnly:
+    """The numpy backend whose session returns only each sequence's last logit row, [V] (a breach of
+    the serving contract: every appended position's row, [n, V], is due)."""
+
+    name = "numpy-last-row-only"
+    dtypes = numpy_backend.dtypes
+
+    def __getattr__(self, attribute):
+        return getattr(numpy_backend, attribute)
+
+    def session(self, weights, config, dtype, checkpoint=None):
+        inner = numpy_backend.session(weights, config, dtype, checkpoint)
+        return SimpleNamespace(step=lambda batch: {seq: rows[-1] for seq, rows in inner.step(batch).items()},
+                               release=inner.release)
+
+
+SESSIONS = SimpleNamespace(last_row_only=LastRowOnly())

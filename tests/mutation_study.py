@@ -3,7 +3,9 @@
     python -m tests.mutation_study [--profile ci] [--only NAME ...]
 
 Each op mutant (tests/mutants.py) runs the suite's agreement and relation tests for its op in its
-dtype; each model-level mutant (tests/forward_mutants.py) runs the full-forward tests.  Every run
+dtype; each model-level mutant (tests/forward_mutants.py) runs the full-forward tests; each serving
+mutant (tests/serving_mutants.py, a session with one cache bug) runs the serving test in float32,
+whose small baseline error lets no cache bug hide (in bfloat16 some stay under bf16's own).  Every run
 stops at its first failure (pytest -x), so a mutant costs seconds.  The matrix lists each mutant,
 the test that killed it and the time it took; the exit status is 1 if any mutant survived.
 """
@@ -19,7 +21,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests import forward_mutants, mutants
+from tests import forward_mutants, mutants, serving_mutants
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass
 class Run:
     mutant: str
-    target: str  # the op, or "forward"
+    target: str  # the op, "forward" or "serving"
     dtype: str
     backend: str
     selection: tuple[str, ...]
@@ -40,6 +42,9 @@ def runs() -> list[Run]:
     table += [Run(m.name, "forward", "float32,bfloat16", f"tests.forward_mutants:ADAPTERS.{m.name}",
                   ("gemma4_conformance/properties/test_forward.py", "-k", "test_forward_matches_reference"))
               for m in forward_mutants.MUTANTS]
+    table += [Run(m.name, "serving", "float32", f"tests.serving_mutants:ADAPTERS.{m.name}",
+                  ("gemma4_conformance/properties/test_serving.py",))
+              for m in serving_mutants.MUTANTS]
     return table
 
 
