@@ -131,7 +131,7 @@ class ServingMutant:
         return getattr(numpy_backend, attribute)
 
     def session(self, weights, config, dtype, checkpoint=None):
-        session = self.session_class(numpy_backend, weights, config, dtype, checkpoint)
+        session = self.session_class(numpy_backend, weights, config, dtype)
         if isinstance(session.cache, RopeTwice):
             session.cache.ops = session.ops
         return session

@@ -242,7 +242,8 @@ def sigmoid_gate(o, gate):
 
 
 def session(weights, config, dtype, checkpoint=None):
-    """A serving session: the spec's graph with these ops and a real KV cache (adapters/session.py)."""
+    """A serving session: the spec's graph with these ops and a real KV cache (adapters/session.py).
+    It reads ``weights``; ``checkpoint``, the folder they come from, is not needed."""
     from .session import Session  # imported here: it uses the suite's properties, which import this module
 
-    return Session(sys.modules[__name__], weights, config, dtype, checkpoint)
+    return Session(sys.modules[__name__], weights, config, dtype)

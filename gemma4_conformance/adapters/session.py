@@ -196,7 +196,7 @@ class Session:
 
     Cache = KVCache
 
-    def __init__(self, adapter, weights: Mapping, config, dtype: str, checkpoint=None):
+    def __init__(self, adapter, weights: Mapping, config, dtype: str):
         self.config = config if isinstance(config, TextConfig) else TextConfig.from_dict(config)
         self.dtype = dtype
         self.ops = SessionOps(adapter, dtype)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import currently_in_test_context, given, settings, target
 
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.fixtures import checkpoint, generate
@@ -64,6 +64,8 @@ def test_serving_matches_reference(request, backend, adapter, serving_dtype, doc
             record.fail(schedule, window, str(e), command, broke=True)
             raise ContractViolation(f"{e}\n  schedule: {case_json(schedule)}\n  rerun: {command}") from None
         record.add(verdict)
+        if currently_in_test_context():  # a drawn schedule: search towards rows near what is allowed
+            target(verdict.worst.ratio, label="worst row / allowed")
         if verdict.failures:
             record.fail(schedule, window, verdict.failures[0], command)
             pytest.fail("\n".join(verdict.failures) + f"\n  schedule: {case_json(schedule)}\n  rerun: {command}",
@@ -76,9 +78,14 @@ def test_serving_matches_reference(request, backend, adapter, serving_dtype, doc
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
         check(schedule)
-    else:
-        check(every_feature(window))  # in every profile, before any drawn schedule
-
+        record.outcome = "passed"
+        return
+    check(every_feature(window))  # in every dtype and profile, before any drawn schedule
+    tested = [d for d in SERVING_DTYPES if d in adapter.dtypes and d in request.config.conformance_dtypes]
+    if serving_dtype == tested[0]:
+        # Drawn schedules in the sharpest dtype tested (float32 where there is one): a cache's
+        # bookkeeping does not depend on the dtype, and in bfloat16 a wrong key moves the logits by
+        # about as much as bf16's own rounding, so most cache bugs hide there (tests/serving_mutants.py).
         @settings(max_examples=max(1, settings.default.max_examples // EXAMPLES_SHARE))
         @given(schedules(window))
         def drawn(schedule):
