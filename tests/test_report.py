@@ -137,7 +137,7 @@ def test_the_document_round_trips_through_strict_json_and_load(doc, tmp_path):
     text = path.read_text()
     json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
     assert report.load(path) == doc
-    assert doc["schema"] == "gemma4-conformance-report" and doc["version"] == report.VERSION == 4
+    assert doc["schema"] == "gemma4-conformance-report" and doc["version"] == report.VERSION == 5
 
 
 def test_a_result_entry_carries_the_measurements_budget_and_rerun(doc):
@@ -204,7 +204,7 @@ def test_a_trace_entry_names_the_first_departing_node_and_counts_nodes_by_layer(
 
 
 def test_the_trace_section_shows_the_first_departing_node_and_the_grid_by_layer(page):
-    section = _section(page, "trace", "environment")
+    section = _section(page, "trace", "serving")
     assert "first departing node <span class=\"mono\">layers.0.q_norm</span>" in section
     assert "layer 0" in section and Q_NORM_FAILURE in html.unescape(section)
     assert TRACE_COMMAND in html.unescape(section)
@@ -323,8 +323,7 @@ def matrix(page):
 
 def test_the_matrix_has_every_op_coloured_by_headroom(page):
     rows = matrix(page)
-    assert set(rows) == {"sigmoid", "silu", "softcap", "rope", "linear", "softmax", "forward", "trace"}
-    assert set(rows) == {"sigmoid", "silu", "softcap", "rope", "linear", "softmax", "forward", "serving"}
+    assert set(rows) == {"sigmoid", "silu", "softcap", "rope", "linear", "softmax", "forward", "trace", "serving"}
     assert rows["softcap"] == ["known", "none"]
     # Columns: float32 then bfloat16, one backend each.
     assert rows["rope"] == ["warn", "fail"]

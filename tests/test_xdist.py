@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from gemma4_conformance import report
 from gemma4_conformance.plugin import EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties.record import OpRecord, Problem, Recorder, RelationRecord
 
@@ -89,3 +90,15 @@ def test_a_recorders_export_merges_back_into_an_equal_recorder():
     assert merged.relations == recorder.relations and isinstance(next(iter(merged.relations.values())), RelationRecord)
     assert merged.excused == recorder.excused and merged.problems == recorder.problems
     assert merged.table() == recorder.table()
+
+
+def test_a_merged_export_gives_the_same_report_document_traces_and_serving_included():
+    from .test_report import make_recorder  # a recorder with every kind of verdict the report shows
+
+    recorder = make_recorder()
+    recorder.forward.clear()  # stand-ins there; the real ForwardVerdict's round trip is the test above
+    merged = Recorder()
+    merged.merge(json.loads(json.dumps(recorder.export())))
+    assert merged.traces and merged.serving
+    env = {"label": "fixed"}
+    assert report.document(merged, env) == report.document(recorder, env)

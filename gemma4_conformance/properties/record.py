@@ -142,13 +142,17 @@ class Recorder:
         return {"records": [asdict(r) for r in self.records.values()],
                 "relations": [asdict(r) for r in self.relations.values()],
                 "forward": [[backend, dtype, asdict(v)] for (backend, dtype), v in self.forward.items()],
+                "traces": [[backend, dtype, asdict(v)] for (backend, dtype), v in self.traces.items()],
+                "serving": [asdict(r) for r in self.serving.values()],
                 "excused": [[*key, reason] for key, reason in self.excused.items()],
                 "problems": [asdict(p) for p in self.problems]}
 
     def merge(self, data: dict) -> None:
         """Add what another process recorded (``export``'s data): each test runs in one worker, so the
         tests' records do not overlap."""
-        from .forward import ForwardVerdict  # forward imports the harness, which needs this module
+        from .forward import ForwardVerdict  # these import the harness, which needs this module
+        from .serving import Position, ServingRecord
+        from .trace import NodeVerdict, TraceVerdict
 
         for r in data["records"]:
             record = OpRecord(**r)
@@ -160,6 +164,11 @@ class Recorder:
             self.forward[backend, dtype] = ForwardVerdict(**{**v, "layers": [tuple(e) for e in v["layers"]],
                                                               "logits": tuple(v["logits"]),
                                                               "logprob_gap": tuple(v["logprob_gap"])})
+        for backend, dtype, v in data["traces"]:
+            self.traces[backend, dtype] = TraceVerdict(**{**v, "nodes": [NodeVerdict(**n) for n in v["nodes"]]})
+        for r in data["serving"]:
+            worst = None if r["worst"] is None else Position(**r["worst"])
+            self.serving[r["backend"], r["dtype"]] = ServingRecord(**{**r, "worst": worst})
         for backend, dtype, subject, reason in data["excused"]:
             self.excused[backend, dtype, subject] = reason
         self.problems.extend(Problem(**p) for p in data["problems"])

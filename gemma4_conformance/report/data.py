@@ -5,7 +5,7 @@ as JSON and ``load`` reads one back, checking its schema.  The HTML page (``repo
 from documents only, so reports written on other machines, by other backends or by other versions of
 the suite can be merged into one page.
 
-Schema ``gemma4-conformance-report``, version 4
+Schema ``gemma4-conformance-report``, version 5
 ==============================================
 
 Top level (an object)::
