@@ -10,7 +10,7 @@ import pytest
 
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.fixtures import checkpoint, generate
-from gemma4_conformance.properties.forward import composed, judge_forward, reference
+from gemma4_conformance.properties.forward import ACCUMULATED, FACTOR, composed, judge_forward, local_errors, reference
 from tests.forward_mutants import MUTANTS, ForwardMutant
 
 TOKENS = 24
@@ -30,9 +30,11 @@ def test_model_level_mistake_fails_the_forward_verdict(model, mutant, dtype):
     weights, tokens, ref = model
     candidate = composed(mutant, weights.config, weights, tokens, dtype)
     baseline = composed(numpy_backend, weights.config, weights, tokens, dtype)
-    verdict = judge_forward(candidate, baseline, ref, dtype)
-    assert verdict.failures, (f"{mutant.name} passed in {dtype}: logits error {verdict.logits[0]:.3g} "
-                              f"vs baseline {verdict.logits[1]:.3g}")
+    verdict = judge_forward(candidate, baseline, ref, dtype, local_errors(candidate, weights.config, weights, tokens, dtype))
+    # Each mistake is found by the layers' or the head's own errors, where nothing compounds.
+    assert any("own" in f for f in verdict.failures), (f"{mutant.name} passed in {dtype}: {verdict.failures}; "
+                                                        f"logits error {verdict.logits[0]:.3g} vs baseline "
+                                                        f"{verdict.logits[1]:.3g}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -41,4 +43,28 @@ def test_the_correct_wiring_passes(model, dtype):
     weights, tokens, ref = model
     candidate = composed(ForwardMutant("none"), weights.config, weights, tokens, dtype)
     baseline = composed(numpy_backend, weights.config, weights, tokens, dtype)
-    assert not judge_forward(candidate, baseline, ref, dtype).failures
+    local = local_errors(candidate, weights.config, weights, tokens, dtype)
+    assert not judge_forward(candidate, baseline, ref, dtype, local).failures
+    assert all(ec == eb for ec, eb in local["layers"]) and local["logits"][0] == local["logits"][1]
+
+
+def test_a_correct_engines_unlucky_draw_passes_on_its_own_errors_and_a_coherent_drift_fails():
+    """Synthetic errors: an accumulated ratio above FACTOR passes when every layer's own error is
+    within FACTOR (one draw's luck, as jax float32 on draw 3 measured); above ACCUMULATED it fails,
+    and so does one layer's own error above FACTOR, whatever the accumulated ones."""
+    rng = np.random.default_rng(0)
+    ref = {"logits": rng.normal(size=(4, 50)), "hidden_states": [rng.normal(size=(4, 8)) for _ in range(3)]}
+
+    def off(x, by):
+        return x * (1 + by)
+
+    def run(accumulated, own):
+        baseline = {"logits": off(ref["logits"], 1e-3), "hidden_states": [off(h, 1e-3) for h in ref["hidden_states"]]}
+        candidate = {"logits": off(ref["logits"], accumulated * 1e-3),
+                     "hidden_states": [off(h, accumulated * 1e-3) for h in ref["hidden_states"]]}
+        local = {"layers": [(own * 1e-3, 1e-3)] * 3, "logits": (1e-3, 1e-3), "logprob_gap": (1e-3, 1e-3)}
+        return judge_forward(candidate, baseline, ref, "float32", local).failures
+
+    assert not run(accumulated=FACTOR + 1, own=2.0)
+    assert any("accumulated" in f for f in run(accumulated=ACCUMULATED + 1, own=2.0))
+    assert any("own errors" in f for f in run(accumulated=1.0, own=FACTOR + 0.5))

@@ -10,10 +10,19 @@
 * The *baseline* is the graph run with the suite's numpy ops in the dtype, rounding to it at every
   op boundary: what a plain implementation in that dtype achieves.
 
-Verdict (FlashAttention-style): per layer and for the logits, the candidate's relative error against
-the reference may be at most FACTOR times the baseline's, or below an absolute floor of FLOOR unit
-roundoffs; its top-1 token must match the reference's wherever the reference's margin exceeds what
-the baseline's logit error could flip.
+Verdict (FlashAttention-style), against what the baseline does in the same dtype, above an absolute
+floor of FLOOR unit roundoffs:
+
+* With hidden states, each layer is judged on its *own* error (``local_errors``: the stream reset to
+  the candidate's at every layer, so nothing compounds): at most FACTOR times the baseline's on the
+  same input, per layer and for the head (final norm, LM head: logits and log-probabilities).  The
+  accumulated errors (each layer and the logits against the reference run from the tokens) may be at
+  most ACCUMULATED times the baseline's.
+* Without hidden states only the accumulated logits can be judged, at FACTOR: a statistic of one
+  token draw, which a correct engine can exceed (see FACTOR); return hidden states to be judged
+  layer by layer.
+* Either way its top-1 token must match the reference's wherever the reference's margin exceeds what
+  the baseline's logit error could flip.
 
 The forward contract (``check_output``): ``logits`` exactly ``[T, V]`` in the dtype under test or
 wider; ``hidden_states``, when given, one ``[T, H]`` array per layer; ``trace``, when given, a dict of
@@ -32,25 +41,32 @@ import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.spec import fmt
-from gemma4_conformance.spec.model import forward, nodes
+from gemma4_conformance.spec.model import decoder_layer, forward, head, nodes
 
 from .harness import ContractViolation, assess, call
 from .table import ORACLE_WORK
 
-# How much worse than a plain same-dtype implementation a candidate may be.  Two correct
-# implementations' errors are independent random walks of similar size: on the generated 48-layer
-# model (head dims 32/64, 2 token seeds, float32, bfloat16 and float16), torch and jax stayed within
-# 2.15 x the baseline's error at every layer and 2.03 x on the logits (worst: jax float16; float32
-# 2.01 x, bfloat16 1.43 x), and transformers (sdpa and eager) within 1.69 x, while each model-level
-# mistake of tests/test_forward_mutants.py is off by 10.8 x (bf16, the wrong proportional-RoPE
-# denominator) to 5e8 x at its worst layer; the missing final softcap, which leaves the layers
-# alone, is 2.05 x on the bf16 logits but 5.2 x on the log-probability gap.  3 still separates the
-# two with room on both sides.
+# How much worse than a plain same-dtype implementation a candidate's own error may be.  A layer's own
+# error (the stream reset to the candidate's) is a sum over its ops' roundings and concentrates: on the
+# generated 48-layer model (head dims 32/64, token draws 0-3, float32, bfloat16, float16), torch's
+# worst layer was 1.13 x the baseline's, jax's 2.1 x (float32: XLA's dot products sum in another
+# order, every layer about 1.45 x), the head's logits at most 1.7 x and its log-probability gap 2.4 x
+# (jax float16), while each model-level mistake of tests/test_forward_mutants.py is off by 21 x (bf16,
+# the wrong proportional-RoPE denominator) to 3e9 x at its worst layer, and the missing final softcap
+# by 30 x on the bf16 logits.  3 separates the two with room on both sides.
 FACTOR = 3.0
+# The accumulated error of one token draw is a few layers' errors amplified along the stream, so its
+# ratio to the baseline's is the own-error ratio times a draw's luck: measured up to 2.1 x the median
+# own-error ratio (jax float32, draw 3: 3.1 x on the logits, 3.3 x at a layer, where no layer's own
+# error exceeds 2.1 x) and 3 x for vLLM's CPU build (4.4 x on one draw, 1.45 x per layer).  So with
+# every own error within FACTOR, FACTOR x 3 bounds the accumulated one; it still catches an error that
+# is small in each layer but adds up coherently (a biased rounding), which grows with depth.
+ACCUMULATED = FACTOR * 3
 FLOOR = 8  # unit roundoffs of the dtype: below that, errors are a handful of final roundings
 # Oracle work per certified op call (element operations, see table.py): every output of every call of
-# the generated model; the 12B geometry's largest calls are sampled.
-CERTIFY_WORK = ORACLE_WORK // 10
+# the generated model (with its head dims 32/64, ORACLE_WORK // 10 left 1.2% of the outputs unchecked;
+# this costs 8% more), while the 12B geometry's largest calls are sampled.
+CERTIFY_WORK = ORACLE_WORK // 4
 
 
 class AdapterOps:
@@ -247,6 +263,39 @@ def check_finite(candidate: dict, ref: dict, where: str) -> None:
                                     f"reference is finite")
 
 
+def local_errors(candidate: dict, config, weights, tokens, dtype: str) -> dict | None:
+    """Each layer's and the head's own error, the stream reset to the candidate's at every layer.
+
+    Layer i's reference is the graph's layer i in float64 on the candidate's output of layer i - 1,
+    and its baseline the same layer in the plain ``dtype`` ops on that same input; layer 0 starts from
+    the plain embedding.  The head (final norm and LM head) starts from the candidate's last layer.
+    So no error is carried from layer to layer: ``{"layers": [(candidate, baseline)], "logits":
+    (candidate, baseline), "logprob_gap": (candidate, baseline)}``, relative errors and largest
+    log-probability gaps; None when the candidate gives no hidden states.
+    """
+    hidden = candidate.get("hidden_states")
+    if hidden is None:
+        return None
+    exact, plain = AdapterOps(numpy_backend, "float64"), AdapterOps(numpy_backend, dtype)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    positions = np.arange(len(tokens))
+    rows, token_rows = np.unique(tokens, return_inverse=True)
+    E = weights["model.embed_tokens.weight"]
+    x = plain.op("embed", "embed", config.embed_scale, plain.weight(E[rows]), token_rows)
+    layers = []
+    for layer, out in zip(config.layers, hidden):
+        r = decoder_layer(exact, config, weights, layer, np.asarray(x, dtype=np.float64), positions)
+        b = decoder_layer(plain, config, weights, layer, x, positions)
+        layers.append((relative_error(out, r), relative_error(b, r)))
+        x = np.asarray(out).astype(fmt(dtype).dtype)
+    r = head(exact, config, weights, np.asarray(x, dtype=np.float64))
+    b = head(plain, config, weights, x)
+    ref_lp = log_softmax(r)
+    gaps = tuple(float(np.abs(log_softmax(z) - ref_lp).max()) for z in (candidate["logits"], b))
+    return {"layers": layers, "logits": (relative_error(candidate["logits"], r), relative_error(b, r)),
+            "logprob_gap": gaps}
+
+
 def relative_error(x, ref) -> float:
     x, ref = np.asarray(x, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), np.finfo(float).tiny))
@@ -260,33 +309,57 @@ def log_softmax(logits):
 
 @dataclass
 class ForwardVerdict:
-    layers: list[tuple[float, float]]  # (candidate, baseline) relative error per layer
+    layers: list[tuple[float, float]]  # (candidate, baseline) accumulated relative error per layer
     logits: tuple[float, float]
     top1_agreement: float  # fraction of positions whose top-1 token matches the reference
     logprob_gap: tuple[float, float]  # largest |log p - log p_ref| of candidate and baseline
     failures: list[str]
     rerun: str = ""  # the command that reruns the forward test (set by the test, which knows it)
+    # Each layer's and the head's own error (local_errors); empty / None without hidden states.
+    local_layers: list[tuple[float, float]] = field(default_factory=list)
+    local_logits: tuple[float, float] | None = None
+    local_logprob_gap: tuple[float, float] | None = None
 
 
-def judge_forward(candidate: dict, baseline: dict, ref: dict, dtype: str) -> ForwardVerdict:
+def _beyond(what: str, pairs: list[tuple[float, float]], factor: float, floor: float) -> list[str]:
+    """One line for the layers whose (candidate, baseline) errors exceed ``factor`` x baseline: the first
+    and the worst (a wrong op usually puts every later layer off too)."""
+    allowed = [max(factor * eb, floor) for _, eb in pairs]
+    beyond = [i for i, (ec, _) in enumerate(pairs) if not ec <= allowed[i]]
+    if not beyond:
+        return []
+
+    def layer(i):
+        return f"layer {i}: relative error {pairs[i][0]:.3g} vs baseline {pairs[i][1]:.3g}"
+
+    worst = max(beyond, key=lambda i: pairs[i][0] / allowed[i])
+    return [f"{len(beyond)} of {len(pairs)} layers' {what} beyond {factor:g} x baseline (floor {floor:.3g}); "
+            f"first {layer(beyond[0])}" + (f"; worst {layer(worst)}" if worst != beyond[0] else "")]
+
+
+def _within(what: str, pair: tuple[float, float], factor: float, floor: float) -> list[str]:
+    ec, eb = pair
+    return [] if ec <= max(factor * eb, floor) else [f"{what} {ec:.3g} > {factor:g} x baseline {eb:.3g} "
+                                                     f"(floor {floor:.3g})"]
+
+
+def judge_forward(candidate: dict, baseline: dict, ref: dict, dtype: str, local: dict | None = None) -> ForwardVerdict:
+    """The verdict of the module docstring; ``local`` is ``local_errors``' result (None: logits only)."""
     floor = FLOOR * fmt(dtype).eps
     failures = []
     layers = []
     if candidate.get("hidden_states") is not None:
         for c, b, r in zip(candidate["hidden_states"], baseline["hidden_states"], ref["hidden_states"]):
             layers.append((relative_error(c, r), relative_error(b, r)))
-    allowed = [max(FACTOR * eb, floor) for _, eb in layers]
-    beyond = [i for i, (ec, _) in enumerate(layers) if not ec <= allowed[i]]
-    if beyond:  # one line, not one per layer: a wrong op usually puts every later layer off too
-        def layer(i):
-            return f"layer {i}: relative error {layers[i][0]:.3g} vs baseline {layers[i][1]:.3g}"
-
-        worst = max(beyond, key=lambda i: layers[i][0] / allowed[i])
-        failures.append(f"{len(beyond)} of {len(layers)} layers beyond {FACTOR} x baseline (floor {floor:.3g}); "
-                        f"first {layer(beyond[0])}" + (f"; worst {layer(worst)}" if worst != beyond[0] else ""))
+    accumulated = FACTOR if local is None else ACCUMULATED
+    if local is not None:
+        failures += _beyond("own errors", local["layers"], FACTOR, floor)
+        failures += _within("logits from the last layer: own relative error", local["logits"], FACTOR, floor)
+        failures += _within("log-probabilities from the last layer: own largest gap", local["logprob_gap"], FACTOR,
+                            floor)
+    failures += _beyond("accumulated errors", layers, accumulated, floor)
     ec, eb = relative_error(candidate["logits"], ref["logits"]), relative_error(baseline["logits"], ref["logits"])
-    if not ec <= max(FACTOR * eb, floor):
-        failures.append(f"logits: relative error {ec:.3g} > {FACTOR} x baseline {eb:.3g} (floor {floor:.3g})")
+    failures += _within("logits: accumulated relative error", (ec, eb), accumulated, floor)
     ref_logits = np.asarray(ref["logits"], dtype=np.float64)
     top = np.sort(ref_logits, -1)
     margin = top[:, -1] - top[:, -2]
@@ -300,6 +373,9 @@ def judge_forward(candidate: dict, baseline: dict, ref: dict, dtype: str) -> For
     ref_lp = log_softmax(ref_logits)
     gap_c = float(np.abs(log_softmax(candidate["logits"]) - ref_lp).max())
     gap_b = float(np.abs(log_softmax(baseline["logits"]) - ref_lp).max())
-    if not gap_c <= max(FACTOR * gap_b, floor):
-        failures.append(f"largest log-probability gap {gap_c:.3g} > {FACTOR} x baseline {gap_b:.3g}")
-    return ForwardVerdict(layers, (ec, eb), float(agree.mean()), (gap_c, gap_b), failures)
+    failures += _within("largest log-probability gap", (gap_c, gap_b), accumulated, floor)
+    if local is None:
+        return ForwardVerdict(layers, (ec, eb), float(agree.mean()), (gap_c, gap_b), failures)
+    return ForwardVerdict(layers, (ec, eb), float(agree.mean()), (gap_c, gap_b), failures,
+                          local_layers=list(local["layers"]), local_logits=tuple(local["logits"]),
+                          local_logprob_gap=tuple(local["logprob_gap"]))

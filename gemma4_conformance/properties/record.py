@@ -161,9 +161,13 @@ class Recorder:
             record = RelationRecord(**{**r, "ops": tuple(r["ops"])})
             self.relations[record.backend, record.dtype, record.relation] = record
         for backend, dtype, v in data["forward"]:
+            pair = (lambda p: None if p is None else tuple(p))
             self.forward[backend, dtype] = ForwardVerdict(**{**v, "layers": [tuple(e) for e in v["layers"]],
                                                               "logits": tuple(v["logits"]),
-                                                              "logprob_gap": tuple(v["logprob_gap"])})
+                                                              "logprob_gap": tuple(v["logprob_gap"]),
+                                                              "local_layers": [tuple(e) for e in v["local_layers"]],
+                                                              "local_logits": pair(v["local_logits"]),
+                                                              "local_logprob_gap": pair(v["local_logprob_gap"])})
         for backend, dtype, v in data["traces"]:
             self.traces[backend, dtype] = TraceVerdict(**{**v, "nodes": [NodeVerdict(**n) for n in v["nodes"]]})
         for r in data["serving"]:
@@ -188,6 +192,9 @@ class Recorder:
             if v.layers:
                 worst = max(v.layers, key=lambda e: e[0] / max(e[1], 1e-300))
                 layers = f"worst layer {worst[0]:.3g} (baseline {worst[1]:.3g})"
+                if v.local_layers:
+                    own = max(e[0] / max(e[1], 1e-300) for e in v.local_layers)
+                    layers += f", worst layer's own error {own:.2g} x its baseline's"
             else:
                 layers = "hidden states not provided"
             outcome = self.outcome(backend, dtype, "forward", "failed" if v.failures else "passed")

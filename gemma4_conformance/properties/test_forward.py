@@ -17,7 +17,7 @@ from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.fixtures import checkpoint, generate
 from gemma4_conformance.spec.model import OPS_USED
 
-from .forward import check_finite, composed, judge_forward, reference
+from .forward import check_finite, composed, judge_forward, local_errors, reference
 from .harness import ContractViolation, rerun_command
 from .trace import completed, judge_trace
 
@@ -83,7 +83,8 @@ def test_forward_matches_reference(request, backend, adapter, forward_dtype, mod
     candidate = candidate_run(request, adapter, forward_dtype, model, runs)
     weights, tokens, ref = model
     baseline = composed(numpy_backend, weights.config, weights, tokens, forward_dtype)
-    verdict = judge_forward(candidate, baseline, ref, forward_dtype)
+    local = local_errors(candidate, weights.config, weights, tokens, forward_dtype)
+    verdict = judge_forward(candidate, baseline, ref, forward_dtype, local)
     # Deterministic (the generated checkpoint and the tokens are seeded), so the test's id reruns it.
     verdict.rerun = rerun_command(request.node, backend, weights=request.config.getoption("--weights"))
     request.config.conformance_recorder.forward[adapter.name, forward_dtype] = verdict
@@ -131,7 +132,7 @@ def test_forward_at_the_real_12b_geometry(request, backend, adapter, real_checkp
         results[stage] = run()
         timings[stage] = time.perf_counter() - start
     (ref, certificate), candidate, baseline = results["reference"], results["backend"], results["baseline"]
-    verdict = judge_forward(candidate, baseline, ref, dtype)
+    verdict = judge_forward(candidate, baseline, ref, dtype, local_errors(candidate, weights.config, weights, tokens, dtype))
     verdict.rerun = rerun_command(request.node, backend, weights=given) + " -m slow -s"
     request.config.conformance_recorder.forward[f"{adapter.name} (12B)", dtype] = verdict
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

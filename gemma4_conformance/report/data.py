@@ -16,7 +16,7 @@ Top level (an object)::
                  example (in version 1 it was the worst example's) and the histogram a fraction of
                  each example's budget.  Version 3 added ``results[i].informative``, the outcome
                  "not established", and the second tier of attention's budgets.  Version 4 added
-                 ``traces``, version 5 ``serving``, the serving paths verdicts.
+                 ``traces``, version 5 ``serving`` and ``forward[i].local``.
     environment  object: where and with what the run happened (below)
     results      array: one entry per backend x dtype x op that the run recorded (below)
     relations    array: one entry per backend x dtype x theorem of the spec checked (below)
@@ -120,8 +120,16 @@ means "not measured" (an op with no examples has no error statistics).
     top1_agreement  fraction (0 to 1) of positions whose top-1 token matches the reference's
     logprob_gap     {"candidate": x, "baseline": y}: the largest |log p - log p_ref| over positions
                     and tokens, in nats
-    factor          how many times the baseline's error the candidate may have (the verdict's
-                    FACTOR)
+    local           null when the backend gives no hidden states; else each layer's and the head's
+                    own error, the stream reset to the backend's at every layer (forward.local_errors):
+                    {"layers": {"candidate": [...], "baseline": [...]}, "logits": {...},
+                    "logprob_gap": {...}}, as above but for one layer (or the head) on the backend's
+                    own input to it
+    factor          how many times the baseline's own error (``local``; without it the accumulated
+                    logits' error) the candidate may have (the verdict's FACTOR)
+    accumulated_factor
+                    how many times the baseline's accumulated errors (``layers``, ``logits``,
+                    ``logprob_gap``) the candidate may have: ACCUMULATED with ``local``, else FACTOR
     floor           the absolute relative error always allowed (FLOOR unit roundoffs of the dtype)
     failures        array of strings: why the verdict failed (empty when it passed)
     rerun           the command that reruns this forward test (it is deterministic: the generated
@@ -219,7 +227,7 @@ import numpy as np
 
 from gemma4_conformance.adapters import DTYPES
 from gemma4_conformance.properties.budget import budget
-from gemma4_conformance.properties.forward import FACTOR, FLOOR
+from gemma4_conformance.properties.forward import ACCUMULATED, FACTOR, FLOOR
 from gemma4_conformance.properties.record import reported
 from gemma4_conformance.spec import CONTRACT, fmt
 
@@ -244,7 +252,8 @@ DEVIATION_FIELDS = {"backend": str, "op": str, "dtype": str, "reason": str, "fil
                     "tests": list}
 FORWARD_FIELDS = {
     "backend": str, "dtype": str, "outcome": str, "layers": dict, "logits": dict, "top1_agreement": "number",
-    "logprob_gap": dict, "factor": "number", "floor": "number", "failures": list, "rerun": str, "deviation": str,
+    "logprob_gap": dict, "local": (dict, type(None)), "factor": "number", "accumulated_factor": "number",
+    "floor": "number", "failures": list, "rerun": str, "deviation": str,
 }
 TRACE_FIELDS = {
     "backend": str, "dtype": str, "outcome": str, "summary": str, "first_departure": (dict, type(None)),
@@ -377,12 +386,24 @@ def forward_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dic
         "logits": {"candidate": encode(verdict.logits[0]), "baseline": encode(verdict.logits[1])},
         "top1_agreement": encode(verdict.top1_agreement),
         "logprob_gap": {"candidate": encode(verdict.logprob_gap[0]), "baseline": encode(verdict.logprob_gap[1])},
+        "local": _local(verdict),
         "factor": encode(FACTOR),
+        "accumulated_factor": encode(ACCUMULATED if getattr(verdict, "local_layers", None) else FACTOR),
         "floor": encode(FLOOR * fmt(dtype).eps),
         "failures": failures,
         "rerun": verdict.rerun,
         "deviation": deviation,
     }
+
+
+def _local(verdict) -> dict | None:
+    """The layers' and the head's own errors (``local`` in the schema), None when not measured."""
+    layers = getattr(verdict, "local_layers", None)
+    if not layers:
+        return None
+    pair = (lambda p: {"candidate": encode(p[0]), "baseline": encode(p[1])})
+    return {"layers": {"candidate": [encode(c) for c, _ in layers], "baseline": [encode(b) for _, b in layers]},
+            "logits": pair(verdict.local_logits), "logprob_gap": pair(verdict.local_logprob_gap)}
 
 
 def _node(n) -> dict:

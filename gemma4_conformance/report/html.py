@@ -189,6 +189,21 @@ def histogram_chart(results: list[dict], prefix: str) -> Markup | None:
         return _svg(fig, prefix)
 
 
+def own_errors(local: dict | None) -> str:
+    """The worst layer's and the head's own error over the baseline's ("2.1 x, 1.2 x"), or "—"."""
+    if not local:
+        return "—"
+
+    def ratio(c, b):
+        c, b = number(c), number(b)
+        return c / b if c is not None and b else math.inf
+
+    layers = local["layers"]
+    worst = max(ratio(c, b) for c, b in zip(layers["candidate"], layers["baseline"]))
+    head = ratio(local["logits"]["candidate"], local["logits"]["baseline"])
+    return f"{fmt(worst)} ×, {fmt(head)} ×"
+
+
 def forward_chart(entry: dict, prefix: str) -> Markup | None:
     """Per-layer relative error against the certified reference, candidate vs baseline, log scale."""
     def positive(values):
@@ -198,7 +213,7 @@ def forward_chart(entry: dict, prefix: str) -> Markup | None:
     candidate, baseline = positive(entry["layers"]["candidate"]), positive(entry["layers"]["baseline"])
     if all(math.isnan(v) for v in candidate + baseline):  # no positive finite value: nothing to draw on a log axis
         return None
-    factor, floor = number(entry["factor"]), number(entry["floor"])
+    factor, floor = number(entry.get("accumulated_factor", entry["factor"])), number(entry["floor"])
     layers = list(range(len(candidate)))
     with matplotlib.rc_context(_RC):
         fig = _figure(4.2, 2.3)
@@ -527,6 +542,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                          "svg": forward_chart(f, f"f{next(charts)}-"), "layers": len(f["layers"]["candidate"]),
                          "logits": (fmt(f["logits"]["candidate"]), fmt(f["logits"]["baseline"])),
                          "gap": (fmt(f["logprob_gap"]["candidate"]), fmt(f["logprob_gap"]["baseline"])),
+                         "own": own_errors(f.get("local")),
                          "top1": fmt(100 * number(f["top1_agreement"])) + "%"
                          if number(f["top1_agreement"]) is not None else "—",
                          "failures": f["failures"]})

@@ -114,53 +114,66 @@ def forward(ops, config, weights: Mapping[str, np.ndarray], tokens, positions=No
     tokens = np.asarray(tokens, dtype=np.int64)
     T = len(tokens)
     positions = np.arange(T) if positions is None else np.asarray(positions, dtype=np.int64)
-    eps, H = config.eps, config.num_heads
     E = weights["model.embed_tokens.weight"]
     # embed(c, E, tokens) reads only the tokens' rows: pass those (the vocabulary is 262144 x 3840).
     rows, token_rows = np.unique(tokens, return_inverse=True)
     x = ops.op("embed", "embed", config.embed_scale, ops.weight(E[rows]), token_rows)
     hidden_states = []
     for layer in config.layers:
-        node = f"layers.{layer.index}."
-
-        def w(name):
-            return ops.weight(weights[f"model.layers.{layer.index}.{name}"])
-
-        D, Hkv = layer.head_dim, layer.kv_heads
-        rope = (layer.rope_theta, layer.rope_rot, layer.rope_denom, layer.rope_active)
-        h = ops.op(node + "input_layernorm", "rmsnorm", eps, x, w("input_layernorm.weight"))
-        q = ops.op(node + "q_proj", "linear", w("self_attn.q_proj.weight"), h).reshape(T, H, D)
-        q = ops.op(node + "q_norm", "rmsnorm", eps, q, w("self_attn.q_norm.weight"))
-        q = ops.op(node + "q_rope", "rope", *rope, np.repeat(positions[:, None], H, 1), q)
-        k_raw = ops.op(node + "k_proj", "linear", w("self_attn.k_proj.weight"), h).reshape(T, Hkv, D)
-        if layer.k_eq_v:
-            v_raw = k_raw
-        else:
-            v_raw = ops.op(node + "v_proj", "linear", w("self_attn.v_proj.weight"), h).reshape(T, Hkv, D)
-        k = ops.op(node + "k_norm", "rmsnorm", eps, k_raw, w("self_attn.k_norm.weight"))
-        k = ops.op(node + "k_rope", "rope", *rope, np.repeat(positions[:, None], Hkv, 1), k)
-        v = ops.op(node + "v_norm", "rmsnorm_unit", eps, v_raw)
-        keys, values, first = (k, v, 0) if cache is None else cache.attend(layer, positions, k, v)
-        q = q.reshape(T, Hkv, H // Hkv, D)  # query head c*G + g reads KV head c
-        if layer.kind == "sliding":
-            attention = ops.op(node + "attention", "sliding_gqa", 1.0, layer.window, positions - first, q, keys, values)
-        else:
-            attention = ops.op(node + "attention", "causal_gqa", 1.0, positions - first, q, keys, values)
-        o = ops.op(node + "o_proj", "linear", w("self_attn.o_proj.weight"), attention.reshape(T, H * D))
-        o = ops.op(node + "post_attention_layernorm", "rmsnorm", eps, o, w("post_attention_layernorm.weight"))
-        x = ops.op(node + "attention_residual", "residual", 1.0, x, o)
-        m = ops.op(node + "pre_feedforward_layernorm", "rmsnorm", eps, x, w("pre_feedforward_layernorm.weight"))
-        gu = ops.op(node + "gate_up", "gate_up", w("mlp.gate_proj.weight"), w("mlp.up_proj.weight"), m)
-        down = ops.op(node + "down_proj", "linear", w("mlp.down_proj.weight"), ops.op(node + "geglu", "gelu_mul", gu))
-        down = ops.op(node + "post_feedforward_layernorm", "rmsnorm", eps, down, w("post_feedforward_layernorm.weight"))
-        x = ops.op(node + "mlp_residual", "residual", 1.0, x, down)
-        # The stored scalar is a bf16/fp16/fp32 value, which a Python float holds exactly.
-        scalar = float(np.asarray(weights[f"model.layers.{layer.index}.layer_scalar"], dtype=np.float64).reshape(-1)[0])
-        x = ops.op(node + "layer_scalar", "residual", scalar, np.zeros_like(x), x)
+        x = decoder_layer(ops, config, weights, layer, x, positions, cache)
         hidden_states.append(x)
-    final = ops.op("final_norm", "rmsnorm", eps, x, ops.weight(weights["model.norm.weight"]))
+    return {"logits": head(ops, config, weights, x), "hidden_states": hidden_states}
+
+
+def decoder_layer(ops, config, weights: Mapping[str, np.ndarray], layer, x, positions, cache=None):
+    """One decoder layer of ``forward`` (step 2) on the residual stream ``x`` [T, H]: its output."""
+    T = len(positions)
+    eps, H = config.eps, config.num_heads
+    node = f"layers.{layer.index}."
+
+    def w(name):
+        return ops.weight(weights[f"model.layers.{layer.index}.{name}"])
+
+    D, Hkv = layer.head_dim, layer.kv_heads
+    rope = (layer.rope_theta, layer.rope_rot, layer.rope_denom, layer.rope_active)
+    h = ops.op(node + "input_layernorm", "rmsnorm", eps, x, w("input_layernorm.weight"))
+    q = ops.op(node + "q_proj", "linear", w("self_attn.q_proj.weight"), h).reshape(T, H, D)
+    q = ops.op(node + "q_norm", "rmsnorm", eps, q, w("self_attn.q_norm.weight"))
+    q = ops.op(node + "q_rope", "rope", *rope, np.repeat(positions[:, None], H, 1), q)
+    k_raw = ops.op(node + "k_proj", "linear", w("self_attn.k_proj.weight"), h).reshape(T, Hkv, D)
+    if layer.k_eq_v:
+        v_raw = k_raw
+    else:
+        v_raw = ops.op(node + "v_proj", "linear", w("self_attn.v_proj.weight"), h).reshape(T, Hkv, D)
+    k = ops.op(node + "k_norm", "rmsnorm", eps, k_raw, w("self_attn.k_norm.weight"))
+    k = ops.op(node + "k_rope", "rope", *rope, np.repeat(positions[:, None], Hkv, 1), k)
+    v = ops.op(node + "v_norm", "rmsnorm_unit", eps, v_raw)
+    keys, values, first = (k, v, 0) if cache is None else cache.attend(layer, positions, k, v)
+    q = q.reshape(T, Hkv, H // Hkv, D)  # query head c*G + g reads KV head c
+    if layer.kind == "sliding":
+        attention = ops.op(node + "attention", "sliding_gqa", 1.0, layer.window, positions - first, q, keys, values)
+    else:
+        attention = ops.op(node + "attention", "causal_gqa", 1.0, positions - first, q, keys, values)
+    o = ops.op(node + "o_proj", "linear", w("self_attn.o_proj.weight"), attention.reshape(T, H * D))
+    o = ops.op(node + "post_attention_layernorm", "rmsnorm", eps, o, w("post_attention_layernorm.weight"))
+    x = ops.op(node + "attention_residual", "residual", 1.0, x, o)
+    m = ops.op(node + "pre_feedforward_layernorm", "rmsnorm", eps, x, w("pre_feedforward_layernorm.weight"))
+    gu = ops.op(node + "gate_up", "gate_up", w("mlp.gate_proj.weight"), w("mlp.up_proj.weight"), m)
+    down = ops.op(node + "down_proj", "linear", w("mlp.down_proj.weight"), ops.op(node + "geglu", "gelu_mul", gu))
+    down = ops.op(node + "post_feedforward_layernorm", "rmsnorm", eps, down, w("post_feedforward_layernorm.weight"))
+    x = ops.op(node + "mlp_residual", "residual", 1.0, x, down)
+    # The stored scalar is a bf16/fp16/fp32 value, which a Python float holds exactly.
+    scalar = float(np.asarray(weights[f"model.layers.{layer.index}.layer_scalar"], dtype=np.float64).reshape(-1)[0])
+    x = ops.op(node + "layer_scalar", "residual", scalar, np.zeros_like(x), x)
+    return x
+
+
+def head(ops, config, weights: Mapping[str, np.ndarray], x):
+    """``forward``'s step 3 on the last layer's output ``x`` [T, H]: the logits [T, V]."""
+    E = weights["model.embed_tokens.weight"]
+    final = ops.op("final_norm", "rmsnorm", config.eps, x, ops.weight(weights["model.norm.weight"]))
     # Each logit depends on its own row of E: the LM head runs over the vocabulary in chunks, each a
     # call of the node "logits" for the next VOCAB_CHUNK columns.
     logits = [ops.op("logits", "lm_head", 1.0, config.final_softcap, ops.weight(E[start:start + VOCAB_CHUNK]), final)
               for start in range(0, E.shape[0], VOCAB_CHUNK)]
-    return {"logits": np.concatenate(logits, axis=-1), "hidden_states": hidden_states}
+    return np.concatenate(logits, axis=-1)
