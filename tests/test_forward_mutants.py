@@ -30,7 +30,8 @@ def test_model_level_mistake_fails_the_forward_verdict(model, mutant, dtype):
     weights, tokens, ref = model
     candidate = composed(mutant, weights.config, weights, tokens, dtype)
     baseline = composed(numpy_backend, weights.config, weights, tokens, dtype)
-    verdict = judge_forward(candidate, baseline, ref, dtype, local_errors(candidate, weights.config, weights, tokens, dtype))
+    local = local_errors(candidate, weights.config, weights, tokens, dtype)
+    verdict = judge_forward(candidate, baseline, ref, dtype, local)
     # Each mistake is found by the layers' or the head's own errors, where nothing compounds.
     assert any("own" in f for f in verdict.failures), (f"{mutant.name} passed in {dtype}: {verdict.failures}; "
                                                         f"logits error {verdict.logits[0]:.3g} vs baseline "

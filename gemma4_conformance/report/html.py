@@ -448,20 +448,34 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                 "href": "#" + anchors[i, backend, dtype, op] if (i, backend, dtype, op) in anchors else None}
 
     matrix = [{"op": op, "cells": [cell(i, b, dtype, op) for dtype in dtypes for i, b in columns]} for op in ops]
-    forward_row = []
-    for dtype in dtypes:
-        for i, b in columns:
-            f = forward.get((i, b, dtype))
-            if f is None:
-                forward_row.append({"cls": "none", "text": "", "sub": "", "title": "", "href": None})
-                continue
-            c, base = number(f["logits"]["candidate"]), number(f["logits"]["baseline"])
-            ratio = c / base if c is not None and base else None
-            forward_row.append({"cls": status(f), "text": f["outcome"],
-                                "sub": f"logits {fmt(ratio)}x baseline" if ratio is not None else "",
-                                "title": f"{b} {dtype} forward: logits relative error {fmt(c)} "
-                                         f"(baseline {fmt(base)}), top-1 agreement {fmt(f['top1_agreement'])}",
-                                "href": "#forward"})
+    def verdict_row(entries: dict, cell) -> list[dict]:
+        """A matrix row below the ops (forward, trace, serving): per dtype and column, ``cell(entry, backend,
+        dtype)`` where the run has that entry, else an empty cell."""
+        empty = {"cls": "none", "text": "", "sub": "", "title": "", "href": None}
+        return [cell(e, b, dtype) if (e := entries.get((i, b, dtype))) is not None else empty
+                for dtype in dtypes for i, b in columns]
+
+    def forward_cell(f, b, dtype):
+        c, base = number(f["logits"]["candidate"]), number(f["logits"]["baseline"])
+        ratio = c / base if c is not None and base else None
+        return {"cls": status(f), "text": f["outcome"],
+                "sub": f"logits {fmt(ratio)}x baseline" if ratio is not None else "",
+                "title": f"{b} {dtype} forward: logits relative error {fmt(c)} (baseline {fmt(base)}), top-1 agreement "
+                         f"{fmt(f['top1_agreement'])}", "href": "#forward"}
+
+    def trace_cell(t, b, dtype):
+        first = t["first_departure"]
+        return {"cls": status(t), "text": t["outcome"], "sub": f"first: {first['node']}" if first else "",
+                "title": f"{b} {dtype} trace: {t['summary']}", "href": "#trace"}
+
+    def serving_cell(e, b, dtype):
+        w = e["worst"]
+        return {"cls": status(e), "text": e["outcome"],
+                "sub": f"worst row {fmt(w['ratio'])} of allowed" if w else "",
+                "title": f"{b} {dtype} serving path: {e['outcome']}; {e['tokens']} tokens of {e['sequences']} "
+                         f"sequences in {e['schedules']} schedules", "href": "#serving"}
+
+    forward_row = verdict_row(forward, forward_cell)
 
     # Budget slack: per op and dtype, the budget over the largest error any backend that passed showed.
     slack = []
@@ -478,30 +492,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                         "cls": "warn" if tightest and tightest[0] > SLACK_NOTE else ""})
         slack.append({"op": op, "cells": row})
 
-    trace_row = []
-    for dtype in dtypes:
-        for i, b in columns:
-            t = trace.get((i, b, dtype))
-            if t is None:
-                trace_row.append({"cls": "none", "text": "", "sub": "", "title": "", "href": None})
-                continue
-            first = t["first_departure"]
-            trace_row.append({"cls": status(t), "text": t["outcome"],
-                              "sub": f"first: {first['node']}" if first else "",
-                              "title": f"{b} {dtype} trace: {t['summary']}", "href": "#trace"})
-    serving_row = []
-    for dtype in dtypes:
-        for i, b in columns:
-            e = serving.get((i, b, dtype))
-            if e is None:
-                serving_row.append({"cls": "none", "text": "", "sub": "", "title": "", "href": None})
-                continue
-            w = e["worst"]
-            serving_row.append({"cls": status(e), "text": e["outcome"],
-                                "sub": f"worst row {fmt(w['ratio'])} of allowed" if w else "",
-                                "title": f"{b} {dtype} serving path: {e['outcome']}; {e['tokens']} tokens of "
-                                         f"{e['sequences']} sequences in {e['schedules']} schedules",
-                                "href": "#serving"})
+    trace_row, serving_row = verdict_row(trace, trace_cell), verdict_row(serving, serving_cell)
     servings = []
     for (i, b, dtype), e in sorted(serving.items(), key=lambda kv: (kv[0][0], kv[0][1], dtype_rank(kv[0][2]))):
         w = e["worst"]
