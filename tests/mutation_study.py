@@ -1,23 +1,26 @@
 """The mutation study: run the suite against every mutant and print the kill matrix.
 
-    python -m tests.mutation_study [--profile ci] [--only NAME ...]
+    python -m tests.mutation_study [--profile ci] [--only NAME ...] [--jobs N]
 
 Each op mutant (tests/mutants.py) runs the suite's agreement and relation tests for its op in its
 dtype; each model-level mutant (tests/forward_mutants.py) runs the full-forward tests; each serving
 mutant (tests/serving_mutants.py, a session with one cache bug) runs the serving test in float32,
 whose small baseline error lets no cache bug hide (in bfloat16 some stay under bf16's own).  Every run
 stops at its first failure (pytest -x), so a mutant costs seconds.  The matrix lists each mutant,
-the test that killed it and the time it took; the exit status is 1 if any mutant survived.
+the test that killed it and the time it took; the exit status is 1 if any mutant survived.  The runs
+are independent processes, ``--jobs`` of them at once (default: one per core).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,17 +73,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="ci", help="Hypothesis profile (default: ci)")
     parser.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once (default: cores)")
     args = parser.parse_args(argv)
     table = [r for r in runs() if not args.only or r.mutant in args.only]
     width = max(len(r.mutant) for r in table)
     print(f"{'mutant':<{width}}  {'op':<14} {'dtype':<16} {'seconds':>7}  killed by")
     survivors, total = [], time.perf_counter()
-    for run in table:
-        killers, seconds, last = kill(run, args.profile)
-        verdict = ", ".join(killers) if killers else f"SURVIVED ({last})"
-        print(f"{run.mutant:<{width}}  {run.target:<14} {run.dtype:<16} {seconds:>7.1f}  {verdict}", flush=True)
-        if not killers:
-            survivors.append(run.mutant)
+    with ThreadPoolExecutor(max(args.jobs, 1)) as pool:  # each run is a process of its own
+        results = pool.map(lambda run: kill(run, args.profile), table)
+        for run, (killers, seconds, last) in zip(table, results):
+            verdict = ", ".join(killers) if killers else f"SURVIVED ({last})"
+            print(f"{run.mutant:<{width}}  {run.target:<14} {run.dtype:<16} {seconds:>7.1f}  {verdict}", flush=True)
+            if not killers:
+                survivors.append(run.mutant)
     killed = len(table) - len(survivors)
     print(f"\nkill rate {killed}/{len(table)} = {killed / len(table):.0%} in the {args.profile} profile, "
           f"{time.perf_counter() - total:.0f} s" + (f"; survivors: {', '.join(survivors)}" if survivors else ""))
