@@ -3,6 +3,9 @@ in the report, and the SDPA / F.rms_norm / jax.nn.dot_product_attention backends
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +54,15 @@ def test_device_cpu_runs_every_built_in_backend_there(spec, device):
     for op in ("linear", "causal_gqa", "rmsnorm"):
         for case in edge_cases(op):
             assert judge(adapter, op, case, "float32").passed
+
+
+def test_a_device_given_as_an_object_is_named_as_text_in_the_summary_and_report():
+    """transformers' backend keeps a torch.device; the summary line and the JSON take its name (CI's
+    run of --backend=all broke on it in the terminal summary)."""
+    adapter = SimpleNamespace(name="placed", dtypes=("float32",), device=torch.device("cpu"))
+    assert report.data.backend_environment(adapter)["device"] == "cpu"
+    assert report.device_line(adapter) == "cpu"
+    json.dumps(report.environment([adapter]))
 
 
 def test_the_numpy_backend_runs_on_the_cpu_whatever_the_device(tmp_path):

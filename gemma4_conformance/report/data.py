@@ -539,6 +539,7 @@ def backend_environment(adapter) -> dict:
         except Exception as e:  # noqa: BLE001 - an adapter's broken environment() must not lose the report
             env = {"environment_error": f"{type(e).__name__}: {e}"}
     env.setdefault("device", getattr(adapter, "device", None) or "not given (the adapter names no device)")
+    env["device"] = str(env["device"])  # a torch.device, say (transformers' backend gives one)
     env.setdefault("dtypes", list(adapter.dtypes))
     return env
 
