@@ -54,17 +54,10 @@ class WindowOnFullLayers(KVCache):
         self.window = next(l.window for l in config.layers if l.kind == "sliding")
 
     def read_full(self, layer, seg):
-        ring_k, ring_v = self.full[layer.index]
-        first, count = self.ring_span(seg.start, self.window)
-        entries = self.ring_order(first, count, self.window)
-        return ring_k[seg.slot, entries], ring_v[seg.slot, entries], first
+        return self.read_ring(layer, seg, self.full[layer.index], self.window)
 
     def write_full(self, layer, seg, k, v):
-        full_k, full_v = self.full[layer.index]
-        keep = min(len(k), self.window)
-        entries = (seg.start + np.arange(len(k) - keep, len(k))) % self.window
-        full_k[seg.slot, entries] = k[len(k) - keep:]
-        full_v[seg.slot, entries] = v[len(k) - keep:]
+        self.write_ring(layer, seg, k, v, self.full[layer.index], self.window)
 
 
 class RopeTwice(KVCache):

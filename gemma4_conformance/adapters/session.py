@@ -155,18 +155,22 @@ class KVCache:
         """The ring entries of positions first, first + 1, ...: position order, wrapping around."""
         return (first + np.arange(count)) % window
 
-    def read_ring(self, layer, seg):
-        ring_k, ring_v = self.rings[layer.index]
-        first, count = self.ring_span(seg.start, layer.window)
-        entries = self.ring_order(first, count, layer.window)
+    def read_ring(self, layer, seg, store=None, window=None):
+        """The keys and values a query of ``seg`` may see in a ring (default: the layer's own) of ``window``
+        entries (default: the layer's), in position order, and the position of the first."""
+        ring_k, ring_v = self.rings[layer.index] if store is None else store
+        window = layer.window if window is None else window
+        first, count = self.ring_span(seg.start, window)
+        entries = self.ring_order(first, count, window)
         return ring_k[seg.slot, entries], ring_v[seg.slot, entries], first
 
-    def write_ring(self, layer, seg, k, v):
+    def write_ring(self, layer, seg, k, v, store=None, window=None):
         """Position p goes to entry p % window, evicting p - window; of a chunk longer than the window
         only its last ``window`` keys are kept."""
-        ring_k, ring_v = self.rings[layer.index]
-        keep = min(len(k), layer.window)
-        entries = (seg.start + np.arange(len(k) - keep, len(k))) % layer.window
+        ring_k, ring_v = self.rings[layer.index] if store is None else store
+        window = layer.window if window is None else window
+        keep = min(len(k), window)
+        entries = (seg.start + np.arange(len(k) - keep, len(k))) % window
         ring_k[seg.slot, entries] = k[len(k) - keep:]
         ring_v[seg.slot, entries] = v[len(k) - keep:]
 

@@ -106,13 +106,8 @@ class SDPA(Eager):
             chosen = f"unknown ({type(e).__name__})"
         self.chosen.setdefault(str(q.dtype).removeprefix("torch."), set()).add(chosen)
 
-    def causal_gqa(self, scale, pos, q, k, v):
-        p, l = self._positions(pos, k.shape[0])
-        return self._attend(scale, l <= p, q, k, v)
-
-    def sliding_gqa(self, scale, window, pos, q, k, v):
-        p, l = self._positions(pos, k.shape[0])
-        return self._attend(scale, (l <= p) & (p < l + window), q, k, v)
+    def _gqa(self, scale, visible, q, k, v):  # Eager's causal_gqa and sliding_gqa build the masks
+        return self._attend(scale, visible, q, k, v)
 
     def decode_gqa(self, scale, q, k, v):
         return self._attend(scale, None, q[None], k, v)[0]
