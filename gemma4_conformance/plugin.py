@@ -11,6 +11,7 @@ Its hooks touch only the suite's own tests, even in a run that collects others t
     pytest --backend=all --dtype=bfloat16     every installed built-in backend, bf16 only
     pytest --backend=mypkg.engine:Adapter     an adapter object, class or factory by path
     pytest --backend=torch,torch-sdpa --device=cuda   torch's eager and fused kernels on the GPU
+    pytest --backend=torch --ops=rmsnorm,softmax  those ops only (and the theorems that relate them)
     pytest --hypothesis-profile=thorough      more examples (profiles: ci, default, thorough)
     pytest --weights=/path/to/gemma-4-12B     the full forward on real weights
     pytest ... --case='<json>'                rerun exactly one failing case (printed on failure)
@@ -28,7 +29,7 @@ import shlex
 import time
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from gemma4_conformance import adapters, report
 from gemma4_conformance.adapters import DTYPES, AdapterError, DeviceError
@@ -59,6 +60,10 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 settings.register_profile("ci", derandomize=True, max_examples=12, print_blob=True, **_common)
 settings.register_profile("default", max_examples=40, print_blob=True, **_common)
 settings.register_profile("thorough", max_examples=400, print_blob=True, **_common)
+# The mutation study's: the ci profile's examples, not shrunk (one failing example kills a mutant; the
+# smallest one is for a person reading the failure, and shrinking took most of a kill's time).
+settings.register_profile("ci-unshrunk", parent=settings.get_profile("ci"),
+                          phases=[p for p in Phase if p not in (Phase.shrink, Phase.explain)])
 settings.load_profile("default")
 
 
@@ -73,6 +78,10 @@ def pytest_addoption(parser):
                          "wins. The numpy backend always runs on the CPU. Default: cpu.")
     group.addoption("--dtype", default=",".join(DTYPES),
                     help=f"dtypes to test, comma-separated, among {', '.join(DTYPES)}. Default: all.")
+    group.addoption("--ops", default=None,
+                    help="the op tests (oracle agreement and the spec's theorems) only for these ops, "
+                         "comma-separated; a theorem runs if it relates a listed op. The forward, trace and "
+                         "serving tests are not affected (-k deselects them). Default: every op.")
     group.addoption("--case", default=None,
                     help="rerun one case (the JSON printed by a failure) instead of drawing examples")
     group.addoption("--known-deviations", action="append", default=[], metavar="FILE",
@@ -114,6 +123,12 @@ def pytest_configure(config):
     if unknown:
         raise pytest.UsageError(f"--dtype: unknown {unknown}; choose among {', '.join(DTYPES)}")
     config.conformance_dtypes = dtypes
+    ops = config.getoption("--ops")
+    ops = OP_NAMES if ops is None else tuple(o.strip() for o in ops.split(",") if o.strip())
+    unknown = sorted(set(ops) - set(OP_NAMES))
+    if unknown or not ops:
+        raise pytest.UsageError(f"--ops: unknown {unknown or 'none given'}; the ops are {', '.join(OP_NAMES)}")
+    config.conformance_ops = ops
     loaded = {}
     for spec in _backend_specs(config.getoption("--backend")):
         try:
@@ -156,11 +171,12 @@ def pytest_generate_tests(metafunc):
         return
     if "op" in metafunc.fixturenames and "backend" in metafunc.fixturenames:
         params = [pytest.param(spec, adapter, dtype, op, id=f"{adapter.name}-{dtype}-{op}")
-                  for spec, adapter, dtype in backend_dtypes(metafunc.config) for op in OP_NAMES]
+                  for spec, adapter, dtype in backend_dtypes(metafunc.config) for op in metafunc.config.conformance_ops]
         metafunc.parametrize("backend, adapter, dtype, op", params)
     elif "relation" in metafunc.fixturenames:
         params = [pytest.param(spec, adapter, dtype, name, id=f"{adapter.name}-{dtype}-{name}")
-                  for spec, adapter, dtype in backend_dtypes(metafunc.config) for name in RELATIONS]
+                  for spec, adapter, dtype in backend_dtypes(metafunc.config) for name, relation in RELATIONS.items()
+                  if set(relation.ops) & set(metafunc.config.conformance_ops)]
         metafunc.parametrize("backend, adapter, dtype, relation", params)
     elif "adapter" in metafunc.fixturenames:
         params = [pytest.param(spec, adapter, id=adapter.name)

@@ -23,6 +23,7 @@ from gemma4_conformance.plugin import (
     is_broken,
 )
 from gemma4_conformance.properties.deviations import Deviations, DeviationsError
+from gemma4_conformance.properties.relations import RELATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 EPS_MISSING = "tests.mutants:ADAPTERS.rms_eps_missing"  # fails rms beyond budget in float32
@@ -161,10 +162,24 @@ def test_a_known_deviation_never_excuses_an_adapter_that_breaks(tmp_path):
     ("--backend=tests.test_adapters:Tunable,tests.test_adapters:Tunable[kernel=plain]",
      "--backend: several backends are named 'tunable-plain-64'"),
     ("--known-deviations=missing.yaml", "missing.yaml: cannot read it"),
+    ("--ops=rmsnrom", "--ops: unknown ['rmsnrom']; the ops are"),
 ])
 def test_a_bad_option_is_a_usage_error_naming_it(tmp_path, option, message):
     status, out, _ = suite(tmp_path, option)
     assert status == 4 and message in out, out[-2000:]
+
+
+def test_ops_selects_those_ops_and_the_theorems_relating_them_and_leaves_the_model_tests(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "gemma4_conformance.plugin", "--pyargs",
+                           "gemma4_conformance", "--backend=numpy", "--dtype=float32", "--ops=softcap,lm_head",
+                           "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    ops = {i.split("-")[-1].rstrip("]") for i in ids if "test_matches_oracle" in i}
+    relations = {i.rsplit("-", 1)[-1].rstrip("]") for i in ids if "test_relation_holds" in i}
+    assert ops == {"softcap", "lm_head"}, done.stdout[-2000:]
+    assert relations == {name for name, r in RELATIONS.items() if {"softcap", "lm_head"} & set(r.ops)} != set()
+    assert any("test_forward_matches_reference" in i for i in ids) and any("test_serving" in i for i in ids)
 
 
 @pytest.mark.parametrize("text, message", [
