@@ -1,9 +1,9 @@
 """The mutation study: run the suite against every mutant and print the kill matrix.
 
-    python -m tests.mutation_study [--profile ci] [--only NAME ...] [--jobs N]
+    python -m tests.mutation_study [--profile ci-unshrunk] [--only NAME ...] [--jobs N]
 
 Each op mutant (tests/mutants.py) runs the suite's agreement and relation tests for its op in its
-dtype; each model-level mutant (tests/forward_mutants.py) runs the full-forward tests; each serving
+dtype (``--ops``: ``-k op`` would also match the mutant's name, which begins with the op, and run every op); each model-level mutant (tests/forward_mutants.py) runs the full-forward tests; each serving
 mutant (tests/serving_mutants.py, a session with one cache bug) runs the serving test in float32,
 whose small baseline error lets no cache bug hide (in bfloat16 some stay under bf16's own).  Every run
 stops at its first failure (pytest -x), so a mutant costs seconds.  The matrix lists each mutant,
@@ -40,7 +40,8 @@ class Run:
 
 def runs() -> list[Run]:
     table = [Run(m.__name__, op, dtype, f"tests.mutants:ADAPTERS.{m.__name__}",
-                 ("gemma4_conformance/properties/test_agreement.py", "gemma4_conformance/properties/test_relations.py", "-k", op))
+                 ("gemma4_conformance/properties/test_agreement.py", "gemma4_conformance/properties/test_relations.py",
+                  f"--ops={op}"))
              for op, dtype, m in mutants.MUTANTS]
     table += [Run(m.name, "forward", "float32,bfloat16", f"tests.forward_mutants:ADAPTERS.{m.name}",
                   ("gemma4_conformance/properties/test_forward.py", "-k", "test_forward_matches_reference"))
@@ -71,7 +72,8 @@ def kill(run: Run, profile: str) -> tuple[list[str], float, str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default="ci", help="Hypothesis profile (default: ci)")
+    parser.add_argument("--profile", default="ci-unshrunk",
+                        help="Hypothesis profile (default: ci-unshrunk, the ci profile's examples without shrinking)")
     parser.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once (default: cores)")
     args = parser.parse_args(argv)
