@@ -50,6 +50,13 @@ def engine(tmp_path_factory):
     return folder, run, done
 
 
+def gate_command() -> str:
+    """The recipe's pytest command alone (the install is done), without the suite's certification of its
+    own reference (2.5 minutes, the same as in the recipe's first run, and beside the point of a gate's
+    exit status)."""
+    return recipe().split("\n", 1)[1].rstrip() + " -k 'not test_reference_is_certified_by_the_oracle'"
+
+
 def report(folder: Path) -> dict:
     return json.loads((folder / "conformance-report" / "report.json").read_text())
 
@@ -82,7 +89,7 @@ def test_an_unlisted_failure_fails_the_gate(engine):
     folder, run, done = engine
     assert done.returncode == 0
     (folder / "conformance" / "deviations.yaml").write_text("backend: toyengine\ndeviations: []\n")
-    gate = run(recipe().split("\n", 1)[1])  # the pytest command alone: the install is done
+    gate = run(gate_command())
     assert gate.returncode == 1, gate.stdout[-4000:]
     assert {r["op"]: r["outcome"] for r in report(folder)["results"]}["softcap"] == "failed"
 
@@ -93,7 +100,7 @@ def test_a_broken_adapter_is_told_apart_and_the_report_still_written(engine):
     kernels = folder / "toyengine" / "kernels.py"  # installed editable: the edit is live
     kernels.write_text(kernels.read_text().replace("    return 1 / (1 + np.exp(-x))",
                                                    "    return (1 / (1 + np.exp(-x))).astype(np.float64)"))
-    gate = run(recipe().split("\n", 1)[1])
+    gate = run(gate_command())
     assert gate.returncode == 6, gate.stdout[-4000:]
     doc = report(folder)
     outcomes = {r["op"]: r["outcome"] for r in doc["results"]}
