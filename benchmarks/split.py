@@ -13,11 +13,12 @@
    it, with its wall and CPU time charged to what was running: the oracle, the backend, building
    the inputs, judging (rounding the exact results, error models, comparing), the rest of each
    property test (Hypothesis and the strategies, the relations' own checks), the full forward
-   (reference, certification, baseline), the report, and pytest itself.  It also counts, per
-   backend and op, how many output elements the oracle checked out of how many the backend made.
+   (reference, certification, baseline), the trace's nodes, the serving path, the report, and pytest
+   itself.  It also counts, per backend and op, how many output elements the oracle checked out of
+   how many the backend made, and the same for the forward's certification and the trace.
 
 It patches only the suite's module attributes (the op table's oracles, ``harness.call``,
-``harness.assess`` and their imports elsewhere), so it measures any checkout of the suite: run it
+``harness.assess`` and their imports in forward and trace), so it measures any checkout of the suite: run it
 with ``PYTHONPATH=<other checkout>`` from that checkout's root to compare two versions back to back.
 """
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -41,7 +44,7 @@ import numpy as np
 import pytest
 
 ORACLE_CATEGORIES = ("oracle", "judge", "backend", "inputs", "strategies + Hypothesis", "relations",
-                     "forward", "report", "pytest and startup")
+                     "forward", "trace", "serving", "report", "pytest and startup")
 CATEGORY_TITLES = {
     "oracle": "oracle (the ops' exact results)",
     "judge": "judging (rounding, error models, comparing)",
@@ -50,6 +53,8 @@ CATEGORY_TITLES = {
     "strategies + Hypothesis": "strategies and Hypothesis",
     "relations": "relations' own checks and draws",
     "forward": "forward: generation, reference, certification, baseline",
+    "trace": "trace: every node's op on the engine's own inputs",
+    "serving": "serving: sessions, reference prefills, baselines",
     "report": "report (JSON and HTML)",
     "pytest and startup": "pytest: startup, collection, imports, other",
 }
@@ -192,17 +197,23 @@ def _kind(item) -> str:
         return "agreement"
     if name == "test_relation_holds":
         return "relations"
+    if name.startswith("test_trace"):
+        return "trace"
+    if "serving" in name:
+        return "serving"
     if "forward" in name or "reference" in name:
         return "forward"
     return "other"
 
 
-BASE = {"agreement": "strategies + Hypothesis", "relations": "relations", "forward": "forward",
-        "other": "pytest and startup"}
+BASE = {"agreement": "strategies + Hypothesis", "relations": "relations", "forward": "forward", "trace": "trace",
+        "serving": "serving", "other": "pytest and startup"}
 
 
 class Profiler:
-    """A pytest plugin that charges the run's time to categories and counts the elements the oracle checks."""
+    """A pytest plugin that charges the run's time to categories and counts the elements the oracle checks:
+    of the agreement tests' examples, of the reference forward's certification and of the trace's node calls,
+    each oracle call counted for the assessment that made it."""
 
     def __init__(self):
         self.clock = Clock()
@@ -210,6 +221,8 @@ class Profiler:
         # (backend, dtype, op) -> examples, checked output elements, output elements
         self.coverage = defaultdict(lambda: {"examples": 0, "checked": 0, "outputs": 0})
         self.certified = {"calls": 0, "checked": 0, "outputs": 0}
+        self.traced = {"calls": 0, "checked": 0, "outputs": 0}
+        self.counting = None  # the record the running assessment's oracle calls count for
 
     # the current test
     def _params(self):
@@ -242,6 +255,9 @@ class Profiler:
     def install(self):
         from gemma4_conformance.properties import forward, harness, relations, table
 
+        traced = importlib.util.find_spec("gemma4_conformance.properties.trace")  # absent in older checkouts
+        trace = importlib.import_module(traced.name) if traced else None
+
         for name, entry in list(table.OPS.items()):
             table.OPS[name] = dataclasses.replace(entry, oracle=self._oracle(name, entry.oracle))
         for module in (harness, relations, forward):
@@ -252,6 +268,8 @@ class Profiler:
                 module.build = self._timed("inputs", module.build)
         harness.assess = self._assess(harness.assess, certification=False)
         forward.assess = self._assess(forward.assess, certification=True)
+        if trace is not None:
+            trace.assess = self._assess(trace.assess, certification=False)  # counted as the trace's by _kind
 
     def _timed(self, category, fn):
         def timed(*args, **kwargs):
@@ -259,16 +277,15 @@ class Profiler:
                 return fn(*args, **kwargs)
         return timed
 
+    def _kind(self):
+        return _kind(self.item) if self.item is not None else "other"
+
     def _oracle(self, op, fn):
         def oracle(*args):
-            kind = _kind(self.item) if self.item is not None else "other"
-            with self.clock.on("oracle" if kind == "agreement" else BASE[kind]):
+            with self.clock.on("oracle" if self._kind() == "agreement" else BASE[self._kind()]):
                 out = fn(*args)
-            checked = int(np.size(out))
-            if kind == "agreement":
-                self.coverage[self._key(op)]["checked"] += checked
-            else:
-                self.certified["checked"] += checked
+            if self.counting is not None:
+                self.counting["checked"] += int(np.size(out))
             return out
         return oracle
 
@@ -281,15 +298,22 @@ class Profiler:
 
     def _assess(self, fn, certification):
         def assess(op, args, out, dtype, *rest, **kwargs):
-            if certification:
-                self.certified["calls"] += 1
-                self.certified["outputs"] += int(np.size(out))
+            kind = self._kind()
+            if certification or kind == "trace":
+                record = self.certified if certification else self.traced
+                record["calls"] += 1
+            elif kind == "agreement":
+                record = self.coverage[self._key(op)]
+                record["examples"] += 1
+            else:
                 return fn(op, args, out, dtype, *rest, **kwargs)
-            record = self.coverage[self._key(op)]
-            record["examples"] += 1
             record["outputs"] += int(np.size(out))
-            with self.clock.on("judge"):
-                return fn(op, args, out, dtype, *rest, **kwargs)
+            previous, self.counting = self.counting, record
+            try:
+                with self.clock.on("judge") if kind == "agreement" and not certification else contextlib.nullcontext():
+                    return fn(op, args, out, dtype, *rest, **kwargs)
+            finally:
+                self.counting = previous
         return assess
 
     def pytest_configure(self, config):
@@ -309,7 +333,7 @@ def main_job(pytest_args: list[str]) -> dict:
     cpu_split["pytest and startup"] = cpu_split.get("pytest and startup", 0.0) + cpu - sum(cpu_split.values())
     coverage = [{"backend": b, "dtype": d, "op": op, **v} for (b, d, op), v in sorted(profiler.coverage.items())]
     return {"args": pytest_args, "exit": int(status), "wall": wall, "cpu": cpu, "seconds": wall_split,
-            "cpu_seconds": cpu_split, "coverage": coverage, "certified": profiler.certified}
+            "cpu_seconds": cpu_split, "coverage": coverage, "certified": profiler.certified, "traced": profiler.traced}
 
 
 def _main_job_in_a_process(where: Path, backend: str, profile: str, extra: list[str]) -> dict:
@@ -342,9 +366,10 @@ def print_split(result: dict) -> None:
     for backend, c in sorted(totals.items()):
         print(f"  {backend:<8} {'all ops':<15} {c['examples']:>8} {c['checked']:>12} {c['outputs']:>12} "
               f"{c['checked'] / max(c['outputs'], 1):>7.1%}")
-    c = result["certified"]
-    print(f"  forward certification: {c['calls']} op calls, {c['checked']} of {c['outputs']} outputs checked "
-          f"({c['checked'] / max(c['outputs'], 1):.1%})")
+    for label, c in (("forward certification", result["certified"]), ("trace", result.get("traced"))):
+        if c:
+            print(f"  {label}: {c['calls']} op calls, {c['checked']} of {c['outputs']} outputs checked "
+                  f"({c['checked'] / max(c['outputs'], 1):.1%})")
 
 
 # 3. Before and after ----------------------------------------------------------------------------------
@@ -375,9 +400,9 @@ def compare(before_path: str, after_path: str) -> None:
                            ("output elements made", "outputs")):
             x, y = (sum(r[key] for r in job["coverage"]) for job in (b, a))
             print(f"  {label:<64} {x:>9} {y:>9} {y / x if x else float('nan'):>7.2f}")
-        x, y = b["certified"], a["certified"]
-        print(f"  {'forward certification: outputs checked':<64} {x['checked']:>9} {y['checked']:>9} "
-              f"{y['checked'] / max(x['checked'], 1):>7.2f}")
+        for label, key in (("forward certification: outputs checked", "certified"), ("trace: outputs checked", "traced")):
+            x, y = b.get(key, {}).get("checked", 0), a.get(key, {}).get("checked", 0)
+            print(f"  {label:<64} {x:>9} {y:>9} {y / x if x else float('nan'):>7.2f}")
 
 
 def main(argv=None) -> int:

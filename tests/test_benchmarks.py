@@ -1,5 +1,6 @@
 """The benchmark (benchmarks/split.py) on a tiny configuration, so that it keeps working: every
-oracle's throughput, a main job's time split and what its oracle checked, and the before/after table."""
+oracle's throughput, a main job's time split and what its oracle checked (two ops' examples and a
+trace), and the before/after table."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def test_the_split_benchmark_measures_oracles_and_a_main_job_and_compares_two_ru
     out = tmp_path / "run.json"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.split", "--backend=numpy", "--profile=ci", "--min-seconds=0",
-         "--max-work=1", f"--json={out}", "--", "--dtype=float32", "-k", "test_matches_oracle and (-rms] or -sigmoid])",
+         "--max-work=1", f"--json={out}", "--", "--dtype=float32", "-k",
+         "test_matches_oracle and (-rms] or -sigmoid]) or test_trace_nodes_match_their_ops",
          f"--report-html={tmp_path / 'report.html'}"],
         cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -30,6 +32,9 @@ def test_the_split_benchmark_measures_oracles_and_a_main_job_and_compares_two_ru
     coverage = {(r["backend"], r["op"]): r for r in job["coverage"]}
     assert set(coverage) == {("numpy", "rms"), ("numpy", "sigmoid")}
     assert all(r["examples"] > 0 and r["checked"] == r["outputs"] > 0 for r in coverage.values())
+    # the trace's node calls are its own, not the ops' examples nor the certification's
+    assert job["traced"]["calls"] > 0 and 0 < job["traced"]["checked"] <= job["traced"]["outputs"]  # a sample a node
+    assert job["certified"]["calls"] == 0 and job["seconds"]["trace"] > 0
     for title in CATEGORY_TITLES.values():
         assert title in done.stdout
     compared = subprocess.run([sys.executable, "-m", "benchmarks.split", "--compare", str(out), str(out)],
