@@ -343,19 +343,22 @@ def _within(what: str, pair: tuple[float, float], factor: float, floor: float) -
                                                      f"(floor {floor:.3g})"]
 
 
-def judge_forward(candidate: dict, baseline: dict, ref: dict, dtype: str, local: dict | None = None) -> ForwardVerdict:
-    """The verdict of the module docstring; ``local`` is ``local_errors``' result (None: logits only)."""
+def judge_forward(candidate: dict, baseline: dict, ref: dict, dtype: str, local: dict | None = None,
+                  factor: float = FACTOR) -> ForwardVerdict:
+    """The verdict of the module docstring; ``local`` is ``local_errors``' result (None: logits only).
+    ``factor`` is the allowance over the baseline's error: FACTOR for one run of an engine, more for a
+    candidate that holds the errors of several (the serving path's relation)."""
     floor = FLOOR * fmt(dtype).eps
     failures = []
     layers = []
     if candidate.get("hidden_states") is not None:
         for c, b, r in zip(candidate["hidden_states"], baseline["hidden_states"], ref["hidden_states"]):
             layers.append((relative_error(c, r), relative_error(b, r)))
-    accumulated = FACTOR if local is None else ACCUMULATED
+    accumulated = factor if local is None else ACCUMULATED * factor / FACTOR
     if local is not None:
-        failures += _beyond("own errors", local["layers"], FACTOR, floor)
-        failures += _within("logits from the last layer: own relative error", local["logits"], FACTOR, floor)
-        failures += _within("log-probabilities from the last layer: own largest gap", local["logprob_gap"], FACTOR,
+        failures += _beyond("own errors", local["layers"], factor, floor)
+        failures += _within("logits from the last layer: own relative error", local["logits"], factor, floor)
+        failures += _within("log-probabilities from the last layer: own largest gap", local["logprob_gap"], factor,
                             floor)
     failures += _beyond("accumulated errors", layers, accumulated, floor)
     ec, eb = relative_error(candidate["logits"], ref["logits"]), relative_error(baseline["logits"], ref["logits"])
@@ -363,7 +366,7 @@ def judge_forward(candidate: dict, baseline: dict, ref: dict, dtype: str, local:
     ref_logits = np.asarray(ref["logits"], dtype=np.float64)
     top = np.sort(ref_logits, -1)
     margin = top[:, -1] - top[:, -2]
-    slack = FACTOR * np.abs(np.asarray(baseline["logits"], dtype=np.float64) - ref_logits).max(-1) * 2
+    slack = factor * np.abs(np.asarray(baseline["logits"], dtype=np.float64) - ref_logits).max(-1) * 2
     agree = np.argmax(np.asarray(candidate["logits"], dtype=np.float64), -1) == np.argmax(ref_logits, -1)
     clear = margin > slack
     if (~agree & clear).any():

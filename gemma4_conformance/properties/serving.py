@@ -356,10 +356,13 @@ def judge(result: Run, schedule: dict, documents: Documents, dtype: str) -> Sche
         verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype)
         failures += [f"{name} against the reference: {f}" for f in verdict.failures]
         # The relation in the same verdict: the stepped rows' departure from the session's own prefill,
-        # laid on the reference, against the baseline's error (two runs of one engine differ by about
-        # one engine's error; the baseline's error against its own prefill would be 0 for numpy).
+        # laid on the reference, against the baseline's error. Both are runs of the engine, each within
+        # FACTOR x the baseline's error of the exact logits (the check above), rounded differently (the
+        # chunks and the batch change the shape of every product), so they differ by up to the sum of
+        # two such errors: 2 x FACTOR. (The numpy session in float32, default profile, seed 1: 3.1 x the
+        # baseline from its own prefill, while within 0.64 of the reference's allowance.)
         departure = ref + (rows.astype(np.float64) - result.prefilled[k].astype(np.float64))
-        relation = judge_forward({"logits": departure}, {"logits": base}, {"logits": ref}, dtype)
+        relation = judge_forward({"logits": departure}, {"logits": base}, {"logits": ref}, dtype, factor=2 * FACTOR)
         failures += [f"{name} stepped against the session's own one-call prefill: {f}" for f in relation.failures]
         row = worst_row(rows, base, ref, dtype, k, result.decoded[k])
         if worst is None or row.ratio > worst.ratio:
