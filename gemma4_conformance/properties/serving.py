@@ -20,8 +20,8 @@ to it, so the rows a session returns for a sequence of length L are judged again
 of the reference prefill of its document (the float64 reference of forward.py, the graph run with
 the numpy ops in float64; forward.py's test certifies that code path against the oracle on the same
 checkpoint), with the plain same-dtype baseline (the numpy ops composed, one prefill of the
-document) as the allowance: ``forward.judge_forward`` on the sequence's rows, so factor over the
-baseline, floor and top-1 are the forward's.  The same verdict also compares the stepped rows with
+document) as the allowance: ``forward.judge_forward`` on the sequence's rows, with the forward's
+floor and top-1 and its factor for accumulated errors (FACTOR below: a session gives logits only).  The same verdict also compares the stepped rows with
 the session's own one-call prefill of the same tokens, which needs no reference.
 """
 
@@ -38,10 +38,17 @@ from hypothesis import strategies as st
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.spec import fmt
 
-from .forward import FACTOR, FLOOR, composed, judge_forward, reference, relative_error
+from .forward import ACCUMULATED, FLOOR, composed, judge_forward, reference, relative_error
 from .harness import ContractViolation
 
 SERVING_DTYPES = ("float32", "bfloat16")
+# A session returns logits only, so a sequence's rows are judged as the forward judges an engine's
+# accumulated errors: the factor over the baseline's own error on each op (forward.FACTOR) times a draw's
+# luck (forward.ACCUMULATED).  A sequence is one draw of tokens, often a short one: the correct torch
+# session's logits reached 3.7 x the baseline's error on a 10-token sequence (default profile, seed 1),
+# with its ops' own errors at most 1.13 x in the forward; the cache bugs of the mutation study are 1e3 to
+# 1e4 x in float32.
+FACTOR = ACCUMULATED
 DOCUMENTS = 8  # as many as sequences may be live at once, so concurrent sequences never share tokens
 MAX_SEQUENCES = 8
 MAX_STEPS = 16
@@ -353,14 +360,14 @@ def judge(result: Run, schedule: dict, documents: Documents, dtype: str) -> Sche
         L, d = length(s), k % DOCUMENTS
         rows, ref, base = result.stepped[k], documents.reference(d)[:L], documents.baseline(d, dtype)[:L]
         name = f"sequence {k} (id {s['id']}, {L} tokens, document {d})"
-        verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype)
+        verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype, factor=FACTOR)
         failures += [f"{name} against the reference: {f}" for f in verdict.failures]
         # The relation in the same verdict: the stepped rows' departure from the session's own prefill,
         # laid on the reference, against the baseline's error. Both are runs of the engine, each within
         # FACTOR x the baseline's error of the exact logits (the check above), rounded differently (the
         # chunks and the batch change the shape of every product), so they differ by up to the sum of
         # two such errors: 2 x FACTOR. (The numpy session in float32, default profile, seed 1: 3.1 x the
-        # baseline from its own prefill, while within 0.64 of the reference's allowance.)
+        # baseline from its own prefill.)
         departure = ref + (rows.astype(np.float64) - result.prefilled[k].astype(np.float64))
         relation = judge_forward({"logits": departure}, {"logits": base}, {"logits": ref}, dtype, factor=2 * FACTOR)
         failures += [f"{name} stepped against the session's own one-call prefill: {f}" for f in relation.failures]

@@ -168,12 +168,13 @@ means "not measured" (an op with no examples has no error statistics).
                     integers: the sequences of those schedules, the steps they took, and the tokens
                     appended, each of which returned a logit row that was judged
     worst           the row nearest what the verdict allows, or null when none was judged:
-                    {"ratio": its relative error over FACTOR x the baseline's (or the floor),
+                    {"ratio": its relative error over ``factor`` x the baseline's (or the floor),
                     "error", "baseline": the relative errors of the row and of the baseline's row
                     against the reference, "sequence": its index in the schedule, "position",
                     "decode": true for a decode step's row, false for a prefill chunk's,
                     "schedule": the schedule}
-    factor, floor   as in ``forward``
+    factor, floor   as in ``forward``; the factor is the serving verdict's (properties/serving.FACTOR,
+                    the forward's for accumulated errors: a session gives logits only)
     failing         failing schedules judged (an integer; Hypothesis's shrinking included)
     failing_features
                     object: feature ("chunking", "wrap-around", "reuse", "mixed batch") -> how many
@@ -228,6 +229,7 @@ import numpy as np
 from gemma4_conformance.adapters import DTYPES
 from gemma4_conformance.properties.budget import budget
 from gemma4_conformance.properties.forward import ACCUMULATED, FACTOR, FLOOR
+from gemma4_conformance.properties.serving import FACTOR as SERVING_FACTOR
 from gemma4_conformance.properties.record import reported
 from gemma4_conformance.spec import CONTRACT, fmt
 
@@ -445,7 +447,7 @@ def serving_entry(record, deviation: str = "") -> dict:
         "steps": record.steps,
         "tokens": record.tokens,
         "worst": worst,
-        "factor": encode(FACTOR),
+        "factor": encode(SERVING_FACTOR),
         "floor": encode(FLOOR * fmt(record.dtype).eps),
         "failing": record.failing,
         "failing_features": dict(record.failing_features),
