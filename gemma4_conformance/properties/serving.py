@@ -20,9 +20,10 @@ to it, so the rows a session returns for a sequence of length L are judged again
 of the reference prefill of its document (the float64 reference of forward.py, the graph run with
 the numpy ops in float64; forward.py's test certifies that code path against the oracle on the same
 checkpoint), with the plain same-dtype baseline (the numpy ops composed, one prefill of the
-document) as the allowance: ``forward.judge_forward`` on the sequence's rows, with the forward's
-floor and top-1 and its factor for accumulated errors (FACTOR below: a session gives logits only).  The same verdict also compares the stepped rows with
-the session's own one-call prefill of the same tokens, which needs no reference.
+document) as the allowance: ``forward.judge_forward`` on the sequence's rows, as it judges a forward
+that gives logits only (its floor, top-1 and factor for accumulated errors, FACTOR below).  The same
+verdict also compares the stepped rows with the session's own one-call prefill of the same tokens,
+which needs no reference.
 """
 
 from __future__ import annotations
@@ -360,7 +361,7 @@ def judge(result: Run, schedule: dict, documents: Documents, dtype: str) -> Sche
         L, d = length(s), k % DOCUMENTS
         rows, ref, base = result.stepped[k], documents.reference(d)[:L], documents.baseline(d, dtype)[:L]
         name = f"sequence {k} (id {s['id']}, {L} tokens, document {d})"
-        verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype, factor=FACTOR)
+        verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype, accumulated=FACTOR)
         failures += [f"{name} against the reference: {f}" for f in verdict.failures]
         # The relation in the same verdict: the stepped rows' departure from the session's own prefill,
         # laid on the reference, against the baseline's error. Both are runs of the engine, each within
@@ -369,7 +370,8 @@ def judge(result: Run, schedule: dict, documents: Documents, dtype: str) -> Sche
         # two such errors: 2 x FACTOR. (The numpy session in float32, default profile, seed 1: 3.1 x the
         # baseline from its own prefill.)
         departure = ref + (rows.astype(np.float64) - result.prefilled[k].astype(np.float64))
-        relation = judge_forward({"logits": departure}, {"logits": base}, {"logits": ref}, dtype, factor=2 * FACTOR)
+        relation = judge_forward({"logits": departure}, {"logits": base}, {"logits": ref}, dtype,
+                                 accumulated=2 * FACTOR)
         failures += [f"{name} stepped against the session's own one-call prefill: {f}" for f in relation.failures]
         row = worst_row(rows, base, ref, dtype, k, result.decoded[k])
         if worst is None or row.ratio > worst.ratio:

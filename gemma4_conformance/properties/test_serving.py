@@ -148,7 +148,7 @@ def test_serving_at_the_real_12b_geometry(request, backend, adapter, real_checkp
         results[stage] = compute()
         timings[stage] = time.perf_counter() - start
     rows, ref, base = results["session"], results["reference"], results["baseline"]
-    verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype, factor=FACTOR)
+    verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype, accumulated=FACTOR)
     record = request.config.conformance_recorder.serving.setdefault(
         (f"{adapter.name} (12B)", dtype), ServingRecord(f"{adapter.name} (12B)", dtype))
     record.schedules, record.sequences, record.steps, record.tokens = 1, 1, len(pieces), len(judged)
