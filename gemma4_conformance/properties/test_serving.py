@@ -97,6 +97,12 @@ def test_serving_matches_reference(request, backend, adapter, serving_dtype, doc
 
 
 SLOW_DECODE = 4  # decode steps after the prefill
+# The reference's calls certified here: what a long session adds to the slow forward test's certified
+# 12B calls is positions past the window (rope) and a thousand keys across it (attention); every other
+# op acts on each token alone, with the weights and shapes per token that test certifies.  Certifying
+# every call took 2.6 min a layer on 2 cores (6 layers measured: linear 295 s, the norms 145 s), these
+# about 7 s.
+LONG_CONTEXT_OPS = frozenset({"rope", "sliding_gqa", "causal_gqa"})
 SLOW_RSS_LIMIT = 8 * 2**30
 
 
@@ -121,7 +127,7 @@ def test_serving_at_the_real_12b_geometry(request, backend, adapter, real_checkp
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, length(schedule["sequences"][0]))
     judged = np.arange(max(0, chunks[0] - 8), len(tokens))  # the first chunk's end, the wrap, the decode steps
     pieces = [(0, chunks[0]), (chunks[0], chunks[1])] + [(sum(chunks) + i, 1) for i in range(SLOW_DECODE)]
-    certificate = Certificate()
+    certificate = Certificate(ops=LONG_CONTEXT_OPS)
 
     def served():
         session, rows = adapter.session(weights, config.raw, dtype, checkpoint=str(path)), []
@@ -162,6 +168,7 @@ def test_serving_at_the_real_12b_geometry(request, backend, adapter, real_checkp
           + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
           + f"; peak RSS {peak / 2**30:.2f} GiB; certified op calls {certificate.calls}; worst row "
           f"{record.worst.position}: {record.worst.error:.3g} (baseline {record.worst.baseline:.3g})")
+    assert certificate.calls, f"no call of {sorted(LONG_CONTEXT_OPS)} certified: the graph's op names changed?"
     assert not certificate.failures, "\n".join(certificate.failures[:10])  # the suite's own reference broke
     if verdict.failures:
         record.fail(schedule, window, verdict.failures[0], command)
