@@ -221,3 +221,30 @@ def test_real_vllm_forward_keeps_the_contract(tmp_path, cfg):
     assert out["logits"].shape == (12, cfg.vocab_size) and np.isfinite(out["logits"]).all()
     assert len(set(nodes(cfg)) - set(out["trace"])) == cfg.num_layers + 1  # the MLP residuals, the logits
     adapter.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason=vllm_backend.SETUP["vllm"])
+def test_real_vllm_session_reads_its_prefix_cache_and_matches_the_reference(tmp_path, cfg):
+    """The serving test's documents (under 40 tokens) are shorter than vLLM's prefix-cache unit on the
+    small model (128 tokens: the lcm of its KV groups' block sizes), so there its session is judged on
+    vLLM's scheduling alone; here a 300-token sequence stepped past two units reads its cache, and
+    every row is judged as the serving test judges a sequence."""
+    from gemma4_conformance.adapters import numpy_backend
+    from gemma4_conformance.fixtures import checkpoint
+    from gemma4_conformance.properties.forward import LONG_CONTEXT_OPS, composed, judge_forward, reference
+    from gemma4_conformance.properties.serving import FACTOR
+
+    folder = generate.write_checkpoint(tmp_path / "small", generate.small_config(), seed=0)
+    weights = checkpoint.load(folder)
+    adapter = vllm_backend.Vllm()
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 300)
+    session = adapter.session(weights, weights.config.raw, "float32", checkpoint=str(folder))
+    pieces = [(0, 200), (200, 201), (201, 290), (290, 300)]  # a prefill, a decode step, two chunks
+    rows = np.concatenate([session.step({3: tokens[a:b]})[3] for a, b in pieces])
+    assert session.cached_tokens == 128 + 128 + 256  # each later step read the blocks the earlier filled
+    ref, certificate = reference(weights.config, weights, tokens, ops=LONG_CONTEXT_OPS)
+    assert certificate.calls and not certificate.failures, certificate.failures[:3]
+    base = composed(numpy_backend, weights.config, weights, tokens, "float32")
+    verdict = judge_forward({"logits": rows}, base, ref, "float32", accumulated=FACTOR)
+    assert not verdict.failures, verdict.failures
+    adapter.close()

@@ -58,6 +58,18 @@ final_norm                  ``model.norm``
 
 The MLP residual sum is no module's output, so it is "not traced" (and the layer scalar, whose input
 it is, not judged); the logits are the ones above.
+
+**Session** (the serving path). vLLM's own cache is its paged KV cache with automatic prefix caching,
+the way it serves a conversation that grows turn by turn: a second engine per dtype, prefix caching
+on, blocks of ``BLOCK`` tokens, up to ``MAX_SEQUENCES`` requests and ``BATCH_TOKENS`` tokens per
+engine step (so longer prompts are chunked by vLLM's scheduler, and prefills and decodes share its
+batches). ``step`` submits one request per sequence, its whole token list so far, in one call: vLLM
+reads the blocks it already holds for that prefix (``skip_reading_prefix_cache=False``: vLLM would
+skip the cache for prompt logprobs otherwise) and computes the rest, and the rows of the appended
+positions are their prompt logprobs and the one generated token's, as in ``forward``. A block is found
+by the hash of every token up to its end, so a released sequence needs nothing cleared; what a
+sequence's second step reads is what its first step cached. vLLM decodes a running request from its
+own sampled tokens, not given ones, so its in-request decode path is not what the session drives.
 """
 
 from __future__ import annotations
@@ -73,6 +85,9 @@ from gemma4_conformance.adapters import SETUP
 from gemma4_conformance.fixtures.config import TextConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+BLOCK = 16  # tokens per KV block in the session's engine: prefixes are cached a block at a time
+MAX_SEQUENCES = 8  # the serving schedules' most live sequences
+BATCH_TOKENS = 64  # tokens per engine step: prompts longer than what is left of it are chunked
 TEXT_MODEL = "Gemma4ForCausalLM"  # vLLM's Gemma 4 text model, whatever the checkpoint's architectures say
 
 
@@ -100,22 +115,27 @@ class Vllm:
         return (f"vllm {self.version} (CPU), eager, KV cache {self.kv}; logits from full-vocabulary "
                 f"prompt_logprobs with logprobs_mode=raw_logits")
 
-    def _llm(self, checkpoint, dtype: str):
+    def _llm(self, checkpoint, dtype: str, serving: bool = False):
+        """The engine for ``forward`` (one sequence, no prefix caching) or, with ``serving``, for the
+        session (module docstring)."""
         if checkpoint is None:
             raise ValueError("vLLM loads the checkpoint folder, and these weights came from no folder")
         if dtype not in DTYPES:
             raise ValueError(f"{self.name} runs {', '.join(DTYPES)}, not {dtype}")
-        key = (str(Path(checkpoint).resolve()), dtype)
+        key = (str(Path(checkpoint).resolve()), dtype, serving)
         if self._key != key:
             self.close()  # one engine at a time: vLLM keeps process-wide state per engine
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             from vllm import LLM
 
+            scheduling = (dict(enable_prefix_caching=True, block_size=BLOCK, max_num_seqs=MAX_SEQUENCES,
+                               max_num_batched_tokens=BATCH_TOKENS) if serving else
+                          dict(enable_prefix_caching=False, max_num_seqs=1))
             self._engine = LLM(model=key[0], dtype=dtype, hf_overrides={"architectures": [TEXT_MODEL]},
                                kv_cache_dtype=self.kv,
                                skip_tokenizer_init=True, enforce_eager=True, max_model_len=self.max_len,
-                               max_num_seqs=1, max_logprobs=-1, logprobs_mode="raw_logits",
-                               enable_prefix_caching=False, seed=0, kv_cache_memory_bytes=256 * 2**20)
+                               max_logprobs=-1, logprobs_mode="raw_logits", seed=0,
+                               kv_cache_memory_bytes=256 * 2**20, **scheduling)
             self._key = key
         return self._engine
 
@@ -125,34 +145,76 @@ class Vllm:
         return llm
 
     def forward(self, weights, config, tokens, dtype: str, checkpoint=None) -> dict:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         llm = self._hooked(self._llm(checkpoint, dtype))
         tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
         cfg = config if isinstance(config, TextConfig) else TextConfig.from_dict(config)
-        vocab = cfg.vocab_size
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1, logprobs=-1, detokenize=False)
         _RECORDING.update(tokens=len(tokens), values={})
         try:
-            out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+            logits = _logits(llm, [tokens], [0], cfg.vocab_size)[0][0]
         finally:
             recorded = _RECORDING["values"]
             _RECORDING.update(tokens=None, values={})
-        rows = list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]]
-        logits = np.full((len(tokens), vocab), np.nan, np.float32)
-        for t, row in enumerate(rows):
-            ids = np.fromiter(row.keys(), np.int64, len(row))
-            logits[t, ids] = np.fromiter((p.logprob for p in row.values()), np.float32, len(row))
         trace = _trace(recorded, cfg)
         hidden = [trace.get(f"layers.{layer.index}.layer_scalar") for layer in cfg.layers]
         return {"logits": logits, "trace": trace,
                 "hidden_states": hidden if all(h is not None for h in hidden) else None}
 
+    def session(self, weights, config, dtype: str, checkpoint=None):
+        cfg = config if isinstance(config, TextConfig) else TextConfig.from_dict(config)
+        return Session(self._llm(checkpoint, dtype, serving=True), cfg.vocab_size)
+
     def close(self):
         if self._engine is not None:
             self._engine = self._key = None
             gc.collect()
+
+
+def _logits(llm, prompts: list[list[int]], starts: list[int], vocab: int) -> tuple[list[np.ndarray], int]:
+    """One ``generate`` call: for each prompt, the full-vocabulary logits of its positions from
+    ``start`` on (row t < T-1 from the prompt logprobs of token t+1, row T-1 from the generated
+    token's), as float32 ``[T - start, vocab]``; and how many prompt tokens vLLM read from its cache."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1, logprobs=-1, detokenize=False,
+                            skip_reading_prefix_cache=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    result, cached = [], 0
+    for prompt, start, out in zip(prompts, starts, outs):
+        cached += out.num_cached_tokens or 0
+        # Positions read from the cache have no logits computed (their prompt logprobs are not
+        # defined); a step's own positions never are, as only blocks a previous step filled are cached.
+        if (out.num_cached_tokens or 0) > start:
+            raise RuntimeError(f"vLLM read {out.num_cached_tokens} tokens of a {len(prompt)}-token prompt from "
+                               f"its cache, past the {start} given before this step")
+        rows = list(out.prompt_logprobs[start + 1:]) + [out.outputs[0].logprobs[0]]
+        logits = np.full((len(prompt) - start, vocab), np.nan, np.float32)
+        for t, row in enumerate(rows):
+            ids = np.fromiter(row.keys(), np.int64, len(row))
+            logits[t, ids] = np.fromiter((p.logprob for p in row.values()), np.float32, len(row))
+        result.append(logits)
+    return result, cached
+
+
+class Session:
+    """The serving contract (issue 12) through vLLM's paged KV cache and prefix caching (module
+    docstring): each sequence's token list so far, resubmitted whole at every step.  ``cached_tokens``
+    counts the prompt tokens vLLM read from its cache rather than computed."""
+
+    def __init__(self, llm, vocab: int):
+        self.llm, self.vocab, self.tokens, self.cached_tokens = llm, vocab, {}, 0
+
+    def step(self, batch: dict) -> dict:
+        seqs = list(batch)
+        starts = [len(self.tokens.get(seq, [])) for seq in seqs]
+        for seq in seqs:
+            self.tokens[seq] = self.tokens.get(seq, []) + [int(t) for t in np.asarray(batch[seq]).reshape(-1)]
+        logits, cached = _logits(self.llm, [self.tokens[seq] for seq in seqs], starts, self.vocab)
+        self.cached_tokens += cached
+        return dict(zip(seqs, logits))
+
+    def release(self, seq) -> None:
+        self.tokens.pop(seq, None)
 
 
 # The hooks' store: module-level, so the hooks find it however apply_model hands them to the worker

@@ -19,7 +19,7 @@ from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.fixtures import checkpoint, generate
 from gemma4_conformance.spec.model import forward
 
-from .forward import AdapterOps, Certificate, judge_forward
+from .forward import LONG_CONTEXT_OPS, AdapterOps, Certificate, judge_forward
 from .harness import ContractViolation, rerun_command
 from .serving import (
     EXAMPLES_SHARE,
@@ -97,12 +97,6 @@ def test_serving_matches_reference(request, backend, adapter, serving_dtype, doc
 
 
 SLOW_DECODE = 4  # decode steps after the prefill
-# The reference's calls certified here: what a long session adds to the slow forward test's certified
-# 12B calls is positions past the window (rope) and a thousand keys across it (attention); every other
-# op acts on each token alone, with the weights and shapes per token that test certifies.  Certifying
-# every call took 2.6 min a layer on 2 cores (6 layers measured: linear 295 s, the norms 145 s), these
-# about 7 s.
-LONG_CONTEXT_OPS = frozenset({"rope", "sliding_gqa", "causal_gqa"})
 SLOW_RSS_LIMIT = 8 * 2**30
 
 
