@@ -201,7 +201,7 @@ def _rows(n, width=V, dtype=np.float32):
     ({0: _rows(3)[-1], 2: _rows(1)}, f"sequence 0 appended 3 tokens and got logits float32 [{V}]"),
     ({0: _rows(3)[None], 2: _rows(1)}, f"got logits float32 [1, 3, {V}]"),
     ({0: _rows(3, V + 16), 2: _rows(1)}, f"got logits float32 [3, {V + 16}]"),  # a padded vocabulary
-    ({0: _rows(3, dtype=np.float64), 2: _rows(1)}, f"got logits float64 [3, {V}]"),
+    ({0: _rows(3, dtype=np.float16), 2: _rows(1)}, f"got logits float16 [3, {V}]"),  # narrower
     ({0: _rows(3).tolist(), 2: _rows(1)}, "sequence 0's logits are list"),
     ({0: np.full((3, V), np.nan, np.float32), 2: _rows(1)}, "NaN in sequence 0's logits"),
 ])
@@ -211,7 +211,13 @@ def test_a_step_result_that_breaks_the_contract_says_what_was_expected(out, says
     message = str(e.value)
     assert message.startswith("engine session.step #4") and says in message
     if "NaN" not in says:
-        assert f"expected a dict with exactly the ids [0, 2], each a float array [n, {V}] in float32" in message
+        assert f"expected a dict with exactly the ids [0, 2], each a float array [n, {V}] in float32 or wider" in message
+
+
+def test_a_step_may_give_logits_wider_than_the_dtype():
+    """As the forward contract: float32 logits of a bf16 run (vLLM's), float64 of a float32 one."""
+    check_step({0: _rows(3), 2: _rows(1)}, BATCH, V, "bfloat16", "engine session.step #4")
+    check_step({0: _rows(3, dtype=np.float64), 2: _rows(1, dtype=np.float64)}, BATCH, V, "float32", "step")
 
 
 def test_the_serving_path_in_the_gate(tmp_path):

@@ -4,7 +4,7 @@ The contract (optional, beside ``forward``; the built-in backends' is adapters/s
 
     session = adapter.session(weights, config, dtype, checkpoint=None)   # the model loaded once
     logits = session.step({seq: tokens, ...})   # seq: int id; tokens: int64 [n] the sequence appends now
-    # -> {seq: float array [n, V] in dtype}: the logits of exactly those positions
+    # -> {seq: float array [n, V] in dtype or wider}: the logits of exactly those positions
     session.release(seq)                        # done; the id may be used again, and starts empty
     session.close()                             # optional
 
@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.spec import fmt
 
-from .forward import ACCUMULATED, FLOOR, composed, judge_forward, reference, relative_error
+from .forward import ACCUMULATED, FLOOR, WIDER, composed, judge_forward, reference, relative_error
 from .harness import ContractViolation
 
 SERVING_DTYPES = ("float32", "bfloat16")
@@ -219,10 +219,10 @@ class Documents:
 # ----------------------------------------------------------------------------------------- running
 
 def check_step(out, batch: Mapping[int, np.ndarray], vocab: int, dtype: str, where: str) -> None:
-    """A step's result must be a dict with exactly the stepped ids, each [n, V] in the dtype, no NaN
-    (the reference's logits are finite): anything else breaks the contract."""
-    want = fmt(dtype).dtype
-    expected = f"expected a dict with exactly the ids {sorted(batch)}, each a float array [n, {vocab}] in {dtype}"
+    """A step's result must be a dict with exactly the stepped ids, each [n, V] in the dtype or wider (as
+    the forward contract), no NaN (the reference's logits are finite): anything else breaks the contract."""
+    expected = (f"expected a dict with exactly the ids {sorted(batch)}, each a float array [n, {vocab}] in "
+                f"{dtype} or wider")
     if not isinstance(out, Mapping):
         raise ContractViolation(f"{where} returned {type(out).__name__}; {expected}")
     if set(out) != set(batch):
@@ -231,7 +231,7 @@ def check_step(out, batch: Mapping[int, np.ndarray], vocab: int, dtype: str, whe
         n = len(batch[seq])
         if not isinstance(rows, np.ndarray):
             raise ContractViolation(f"{where}: sequence {seq}'s logits are {type(rows).__name__}; {expected}")
-        if rows.shape != (n, vocab) or rows.dtype != want:
+        if rows.shape != (n, vocab) or (str(rows.dtype) not in WIDER[dtype] and rows.dtype != fmt(dtype).dtype):
             raise ContractViolation(f"{where}: sequence {seq} appended {n} tokens and got logits {rows.dtype} "
                                     f"{list(rows.shape)}; {expected}")
         if np.isnan(rows.astype(np.float64)).any():
