@@ -296,3 +296,38 @@ def test_ulp_at_one_in_each_format():
 @pytest.mark.parametrize("name", NAMES)
 def test_ulp_at_zero_is_the_smallest_subnormal(name):
     assert spec.ulp(0.0, name) == FORMATS[name].smallest_subnormal
+
+
+def _correct_error(got: float, x) -> float:
+    """|got - x| at a precision that holds it exactly, rounded once to float64 by round_to."""
+    with mp.workprec(4000):
+        return float(spec.round_to(abs(mpf(got) - mpf(x)), "float64"))
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_abs_error_is_the_exact_difference_rounded_once(data):
+    """Random floats against exact values near them and far from them, subnormal differences,
+    differences that overflow float64, zeros, ints and floats as exact values."""
+    n = data.draw(st.integers(1, 20))
+    got = data.draw(st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=n, max_size=n))
+    exact = []
+    for g in got:
+        man, exp = data.draw(st.integers(-(2**130), 2**130)), data.draw(st.integers(-1250, 900))
+        exact.append(data.draw(st.sampled_from([dyadic(man, exp), mpf(g) + dyadic(man, exp - 140), mpf(0),
+                                                 int(man), float(g) / 3, -mpf(g)])))
+    out = spec.formats.abs_error(np.array(got), np.array(exact, dtype=object))
+    expected = np.array([_correct_error(g, x) for g, x in zip(got, exact)])
+    assert_same_bits(out, expected, "float64", list(zip(got, exact)))
+
+
+@pytest.mark.parametrize("got, x, expected", [
+    (5e-324, dyadic(1, -1080), 5e-324 - 2.0**-1080),  # a subnormal difference (rounds to 5e-324)
+    (1.7e308, -mpf(1.7e308), math.inf),  # the difference overflows
+    (1.0, mpf("inf"), math.inf),
+    (0.5, mpf(0.5), 0.0),
+    (-0.0, mpf(0), 0.0),
+])
+def test_abs_error_hand_checked(got, x, expected):
+    out = spec.formats.abs_error(np.array([got]), np.array([x], dtype=object))
+    assert out[0] == expected or (math.isnan(expected) and math.isnan(out[0]))

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from mpmath import mpf
 
 from gemma4_conformance.spec import CONTRACT, fmt, round_to, ulp
+from gemma4_conformance.spec.formats import abs_error
 from gemma4_conformance.spec.exact import widen
 
 from .budget import budget
@@ -140,10 +140,7 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
 
     got64 = got.astype(np.float64)
     finite = np.isfinite(got64)
-    error = np.zeros(got.shape)
-    flat_err, flat_exact, flat_got = error.reshape(-1), exact.reshape(-1), got64.reshape(-1)
-    for i in np.flatnonzero(finite.reshape(-1)):
-        flat_err[i] = abs(float(mpf(float(flat_got[i])) - flat_exact[i]))
+    error = np.where(finite, abs_error(np.where(finite, got64, 0.0), exact), 0.0)
     # ULPs at the scale, with the absolute allowance folded into the unit: error <= budget * unit.
     unit = ulp(scale, dtype) + absolute / allowed
     ulps = np.where(finite, error / unit, np.inf)

@@ -1,4 +1,4 @@
-"""The four floating formats under test: exact rounding into them, and ULP distances.
+"""The four floating formats under test: exact rounding into them, ULP distances, exact errors.
 
 Every format here is IEEE-style binary floating point, described by its precision ``p`` (significand
 bits, the implicit one included) and exponent range.  Rounding goes straight from an mpmath value to
@@ -101,6 +101,55 @@ def round_to(x, dtype) -> np.ndarray:
     arr = np.asarray(x, dtype=object)
     out = np.array([_round_scalar(v, f) for v in arr.ravel()], dtype=np.float64).reshape(arr.shape)
     return out.astype(f.dtype)
+
+
+def _dyadic(x) -> tuple[int, int] | float:
+    """An exact real as (n, e) with x = n * 2^e, or the float itself when it is inf or nan."""
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return x
+        n, d = x.as_integer_ratio()
+        return n, 1 - d.bit_length()
+    if isinstance(x, int):
+        return x, 0
+    x = mpf(x) if not isinstance(x, mpf) else x
+    sign, man, exp, _ = x._mpf_
+    if not man:
+        return float(x) if exp else (0, 0)
+    man = int(man)  # a Python int (mpmath's may be gmpy2's, whose true division does not round once)
+    return (-man if sign else man), int(exp)
+
+
+def abs_error(got, exact) -> np.ndarray:
+    """|got - exact| elementwise, ``got`` floats and ``exact`` exact reals (mpf, int or float, any
+    shape alike), computed exactly in integers and rounded once to float64 (subnormals and overflow
+    to inf included); inf where either is infinite, nan where either is nan."""
+    got = np.asarray(got, dtype=np.float64)
+    flat = got.reshape(-1)
+    finite = np.isfinite(flat)
+    mantissa, exponent = np.frexp(np.where(finite, flat, 0.0))  # got = mantissa * 2^exponent exactly
+    ns = np.ldexp(mantissa, 53).astype(np.int64).tolist()
+    es = (exponent - 53).tolist()
+    out = np.empty(flat.size)
+    for i, (n, e, x, ok) in enumerate(zip(ns, es, np.asarray(exact, dtype=object).reshape(-1), finite.tolist())):
+        b = x._mpf_ if isinstance(x, mpf) else None
+        if not ok or b is None or (not b[1] and b[2]):  # inf or nan, or an int or float exact
+            b = _dyadic(x)
+            if not ok or isinstance(b, float):
+                out[i] = abs(float(flat[i]) - float(x))
+                continue
+            m, f = b
+        else:
+            m, f = int(b[1]), int(b[2])  # Python ints: gmpy2's true division does not round once
+            if b[0]:
+                m = -m
+        low = min(e, f)
+        d = abs((n << (e - low)) - (m << (f - low)))
+        try:
+            out[i] = float(d << low) if low >= 0 else d / (1 << -low)  # int / int rounds correctly
+        except OverflowError:
+            out[i] = math.inf
+    return out.reshape(got.shape)
 
 
 def _ordinal(a: np.ndarray, f: Format) -> np.ndarray:
