@@ -181,7 +181,7 @@ def _accepts(fn, name: str) -> bool:
 # The logits' dtypes a contract accepts for each dtype under test: that dtype or a wider one (engines
 # often return float32 logits of a bf16 or fp16 run).
 WIDER = {"float64": ("float64",), "float32": ("float64", "float32"),
-          "bfloat16": ("float64", "float32", "bfloat16"), "float16": ("float64", "float32", "float16")}
+         "bfloat16": ("float64", "float32", "bfloat16"), "float16": ("float64", "float32", "float16")}
 
 
 def _array(value, what: str, where: str) -> np.ndarray:
