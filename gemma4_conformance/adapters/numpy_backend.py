@@ -208,10 +208,14 @@ def _gqa(scale, visible, q, k, v):
     """``q [S, Hkv, G, D]``, ``k, v [L, Hkv, D]``, ``visible [S, L]``.
 
     Query head c*G + g is q[:, c, g] and reads KV head c: the einsums share the index c between q and k, v.
+    In float64 (the reference, which the oracle certifies) the products go through BLAS, 22 x faster
+    at 1036 keys of head dim 256; in float32 they keep einsum's plain sequential sums, the baseline
+    against which the forward and serving verdicts were measured.
     """
-    logits = scale * np.einsum("scgd,lcd->scgl", q, k)
+    blas = q.dtype == np.float64
+    logits = scale * np.einsum("scgd,lcd->scgl", q, k, optimize=blas)
     p = softmax.wide(logits, visible[:, None, None, :])
-    return np.einsum("scgl,lcd->scgd", p, v)
+    return np.einsum("scgl,lcd->scgd", p, v, optimize=blas)
 
 
 @_op
