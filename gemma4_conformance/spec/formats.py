@@ -133,16 +133,14 @@ def abs_error(got, exact) -> np.ndarray:
     out = np.empty(flat.size)
     for i, (n, e, x, ok) in enumerate(zip(ns, es, np.asarray(exact, dtype=object).reshape(-1), finite.tolist())):
         b = x._mpf_ if isinstance(x, mpf) else None
-        if not ok or b is None or (not b[1] and b[2]):  # inf or nan, or an int or float exact
+        if ok and b is not None and (b[1] or not b[2]):  # a finite mpf, the oracles' case: inlined
+            m, f = (-int(b[1]) if b[0] else int(b[1])), int(b[2])
+        else:
             b = _dyadic(x)
-            if not ok or isinstance(b, float):
+            if not ok or isinstance(b, float):  # got or exact infinite or nan
                 out[i] = abs(float(flat[i]) - float(x))
                 continue
             m, f = b
-        else:
-            m, f = int(b[1]), int(b[2])  # Python ints: gmpy2's true division does not round once
-            if b[0]:
-                m = -m
         low = min(e, f)
         d = abs((n << (e - low)) - (m << (f - low)))
         try:
