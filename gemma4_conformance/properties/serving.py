@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.spec import fmt
 
-from .forward import ACCUMULATED, FLOOR, WIDER, composed, judge_forward, reference, relative_error
+from .forward import ACCUMULATED, FLOOR, composed, judge_forward, reference, relative_error, wide_enough
 from .harness import ContractViolation
 
 SERVING_DTYPES = ("float32", "bfloat16")
@@ -231,7 +231,7 @@ def check_step(out, batch: Mapping[int, np.ndarray], vocab: int, dtype: str, whe
         n = len(batch[seq])
         if not isinstance(rows, np.ndarray):
             raise ContractViolation(f"{where}: sequence {seq}'s logits are {type(rows).__name__}; {expected}")
-        if rows.shape != (n, vocab) or (str(rows.dtype) not in WIDER[dtype] and rows.dtype != fmt(dtype).dtype):
+        if rows.shape != (n, vocab) or not wide_enough(rows, dtype):
             raise ContractViolation(f"{where}: sequence {seq} appended {n} tokens and got logits {rows.dtype} "
                                     f"{list(rows.shape)}; {expected}")
         if np.isnan(rows.astype(np.float64)).any():
