@@ -313,7 +313,8 @@ def test_abs_error_is_the_exact_difference_rounded_once(data):
     got = data.draw(st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=n, max_size=n))
     exact = []
     for g in got:
-        man, exp = data.draw(st.integers(-(2**130), 2**130)), data.draw(st.integers(-1250, 900))
+        man = data.draw(st.integers(-(2**130), 2**130))
+        exp = data.draw(st.one_of(st.integers(-1250, 900), st.integers(-(10**10), 10**10)))  # and far past float64
         exact.append(data.draw(st.sampled_from([dyadic(man, exp), mpf(g) + dyadic(man, exp - 140), mpf(0),
                                                  int(man), float(g) / 3, -mpf(g)])))
     out = spec.formats.abs_error(np.array(got), np.array(exact, dtype=object))
@@ -327,6 +328,13 @@ def test_abs_error_is_the_exact_difference_rounded_once(data):
     (1.0, mpf("inf"), math.inf),
     (0.5, mpf(0.5), 0.0),
     (-0.0, mpf(0), 0.0),
+    (0.0, -mpf("2.3262134370147845e-8804982661"), 0.0),  # gelu_tanh's oracle far in the tail: no 2^(3e10) shift
+    # 2^-1075, half the smallest subnormal, is a tie (to even: 0); bits below 2^-1200 decide the rest
+    (0.0, dyadic(1, -1075), 0.0),
+    (0.0, dyadic(-(2**1000 + 1), -2075), 5e-324),
+    (0.0, dyadic(2**1000 - 1, -2075), 0.0),
+    (5e-324, dyadic(-1, -10**9), 5e-324),
+    (1.0, mpf(2) ** (10**9), math.inf),
 ])
 def test_abs_error_hand_checked(got, x, expected):
     out = spec.formats.abs_error(np.array([got]), np.array([x], dtype=object))

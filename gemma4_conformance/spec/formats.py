@@ -141,13 +141,36 @@ def abs_error(got, exact) -> np.ndarray:
                 out[i] = abs(float(flat[i]) - float(x))
                 continue
             m, f = b
-        low = min(e, f)
-        d = abs((n << (e - low)) - (m << (f - low)))
-        try:
-            out[i] = float(d << low) if low >= 0 else d / (1 << -low)  # int / int rounds correctly
-        except OverflowError:
-            out[i] = math.inf
+        out[i] = _difference(n, e, m, f)
     return out.reshape(got.shape)
+
+
+# Every float64 and every midpoint between two is a multiple of 2^-1075, so the bits of an exact value
+# below 2^_FLOOR decide nothing but whether it lies on that grid: an oracle's exp of a huge negative
+# number (gelu_tanh far in its tail is 2^-(10^10)) must not cost a shift by its exponent.
+_FLOOR = -1200
+_HUGE = 1100  # an exact value at or above 2^1100 is farther than 2^1099 from every float64: inf
+
+
+def _difference(n: int, e: int, m: int, f: int) -> float:
+    """|n 2^e - m 2^f| rounded once to float64, where n 2^e is a float64 (so e >= -1127)."""
+    if m and f + abs(m).bit_length() > _HUGE:
+        return math.inf
+    off_grid = False
+    if f < _FLOOR:
+        cut = _FLOOR - f
+        magnitude = abs(m)
+        off_grid = magnitude != 0 and (magnitude & -magnitude).bit_length() - 1 < cut  # bits below the floor
+        m, f = m >> cut, _FLOOR  # m 2^f lies in [m' 2^F, (m' + 1) 2^F), on its left end iff on the grid
+    low = min(e, f)
+    d = (n << (e - low)) - (m << (f - low))
+    if off_grid:  # n 2^e - m 2^f lies strictly inside (d - 1, d) 2^low, as does the midpoint, and no
+        d, low = 2 * d - 1, low - 1  # rounding boundary does: their magnitudes round alike
+    d = abs(d)
+    try:
+        return float(d << low) if low >= 0 else d / (1 << -low)  # int / int rounds correctly
+    except OverflowError:
+        return math.inf
 
 
 def _ordinal(a: np.ndarray, f: Format) -> np.ndarray:
