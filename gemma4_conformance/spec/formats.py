@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 from mpmath import mpf
+from mpmath.libmp import normalize
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,12 @@ def _round_scalar(x, f: Format) -> float:
         return -0.0 if sign else 0.0
     if e > f.emax:
         return -math.inf if sign else math.inf
+    if e >= f.emin:  # a normal result: gmpy2's normalize rounds the mantissa to p bits, ties to even
+        if bc > f.precision:
+            sign, man, exp, bc = normalize(sign, man, exp, bc, f.precision, "n")
+        value = math.ldexp(man, exp) if exp + bc <= 1024 else math.inf  # rounded up past float64's range
+        value = value if value <= f.max_finite else math.inf
+        return -value if sign else value
     q = max(e, f.emin) - (f.precision - 1)  # exponent of one ULP at |x| (subnormals: fixed at emin)
     if exp >= q:
         n = man << (exp - q)
