@@ -130,7 +130,6 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     got = np.asarray(out[index])
     exact = np.asarray(entry.oracle(*sub_args), dtype=object).reshape(got.shape)
     exact64 = round_to(exact, "float64")
-    expected = round_to(exact, dtype).astype(np.float64)
     scale, absolute = (np.broadcast_to(a, got.shape) for a in entry.scale(_widened(sub_args), exact64, dtype))
 
     dims, _ = CONTRACT[op].bind(*sub_args)
@@ -140,6 +139,9 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
 
     got64 = got.astype(np.float64)
     finite = np.isfinite(got64)
+    # The correctly rounded result, where a verdict reads it: an inf of the backend, and the worst element.
+    expected = np.full(got.shape, np.nan)
+    expected[~finite] = round_to(exact[~finite], dtype).astype(np.float64)
     error = np.where(finite, abs_error(np.where(finite, got64, 0.0), exact), 0.0)
     # ULPs at the scale, with the absolute allowance folded into the unit: error <= budget * unit.
     unit = ulp(scale, dtype) + absolute / allowed
@@ -162,6 +164,7 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     over = finite & (ulps > allowed) & ~zero_scale
     if over.any():
         worst = np.unravel_index(np.argmax(np.where(over, ulps, -1)), ulps.shape)
+        expected[worst] = round_to(exact[worst], dtype).astype(np.float64)
         failures.append(
             f"error {ulps[worst]:.4g} ULPs at the op's scale > budget {allowed:.4g} ({b.formula}) at "
             f"{_coords(index, worst)}: got {got64[worst]!r}, exact {float(exact64[worst])!r} "
