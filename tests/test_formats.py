@@ -288,6 +288,22 @@ def test_ulp_hand_checked(name, what, x, expected):
     assert spec.ulp(x, name) == expected
 
 
+@pytest.mark.parametrize("name, what, x, expected", spacing_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_scale_ulp_is_ulp_up_to_the_top_binade(name, what, x, expected):
+    if what != "twice max finite (top binade)":
+        assert spec.scale_ulp(x, name) == expected
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float32"])
+def test_scale_ulp_goes_on_past_the_largest_finite_value(name):
+    """An error model's scale may pass the format's range (float16 attention: 2.98e6) while its
+    roundings do not: the unit follows the precision, 2^(floor(log2 s) - p + 1)."""
+    f = FORMATS[name]
+    for s in (2 * f.max_finite, 2.98367e6 if name == "float16" else 1e300):
+        assert spec.scale_ulp(s, name) == math.ldexp(1, math.frexp(s)[1] - f.precision)
+    assert spec.scale_ulp(2.98367e6, "float16") == 2048.0
+
+
 def test_ulp_at_one_in_each_format():
     assert [float(spec.ulp(1.0, name)) for name in ("float64", "float32", "float16", "bfloat16")] == [
         2.0**-52, 2.0**-23, 2.0**-10, 2.0**-7]

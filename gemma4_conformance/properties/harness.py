@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gemma4_conformance.spec import CONTRACT, fmt, round_to, ulp
+from gemma4_conformance.spec import CONTRACT, fmt, round_to, scale_ulp
 from gemma4_conformance.spec.formats import abs_error
 from gemma4_conformance.spec.exact import widen
 
@@ -144,7 +144,7 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     expected[~finite] = round_to(exact[~finite], dtype).astype(np.float64)
     error = np.where(finite, abs_error(np.where(finite, got64, 0.0), exact), 0.0)
     # ULPs at the scale, with the absolute allowance folded into the unit: error <= budget * unit.
-    unit = ulp(scale, dtype) + absolute / allowed
+    unit = scale_ulp(scale, dtype) + absolute / allowed
     ulps = np.where(finite, error / unit, np.inf)
     # A result that rounds to +-inf in the dtype (overflow) is right when the backend gives that inf.
     ulps = np.where(np.isinf(got64) & (got64 == expected), 0.0, ulps)
@@ -169,7 +169,7 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
             f"error {ulps[worst]:.4g} ULPs at the op's scale > budget {allowed:.4g} ({b.formula}) at "
             f"{_coords(index, worst)}: got {got64[worst]!r}, exact {float(exact64[worst])!r} "
             f"(correctly rounded {expected[worst]!r}), scale {float(scale[worst]):.6g}")
-    tier1_allowance = allowed * ulp(scale, dtype) + absolute
+    tier1_allowance = allowed * scale_ulp(scale, dtype) + absolute
 
     def tier1_admits(answer):
         return bool(np.all(np.abs(answer - exact64) <= tier1_allowance))
@@ -177,7 +177,7 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     tier2 = tier2_admits = None
     if b.tier2 is not None:
         t_scale, t_absolute = (np.broadcast_to(a, got.shape) for a in entry.tier2(_widened(sub_args), exact64, dtype))
-        t_unit = ulp(t_scale, dtype)
+        t_unit = scale_ulp(t_scale, dtype)
         judged = t_scale > 0  # rows with nothing visible: tier 1 holds them to exactly 0
 
         def beyond(answer):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from gemma4_conformance.spec import CONTRACT, fmt, ulp
+from gemma4_conformance.spec import CONTRACT, fmt, scale_ulp
 from gemma4_conformance.spec.exact import widen
 
 from .budget import ACCUMULATION, budget
@@ -39,7 +39,7 @@ def allowance(op: str, dtype: str, args: tuple, reference: np.ndarray) -> np.nda
     scale, flush = OPS[op].scale(tuple(widen(a) for a in args), ref, dtype)
     dims, _ = CONTRACT[op].bind(*args)
     allowed = budget(op, dtype).ulps(**dims, **OPS[op].quantities(args))
-    return allowed * ulp(np.broadcast_to(scale, ref.shape), dtype) + np.broadcast_to(flush, ref.shape)
+    return allowed * scale_ulp(np.broadcast_to(scale, ref.shape), dtype) + np.broadcast_to(flush, ref.shape)
 
 
 def compare(what: str, got, want, tolerance) -> list[str]:

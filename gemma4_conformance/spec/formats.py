@@ -218,3 +218,21 @@ def ulp(x, dtype) -> np.ndarray:
     _, e = np.frexp(np.where(np.isfinite(mag), mag, f.max_finite))  # mag = m * 2^e, m in [0.5, 1)
     e = np.where(mag == 0, f.emin, np.clip(e - 1, f.emin, f.emax))
     return np.ldexp(1.0, e - (f.precision - 1))
+
+
+def scale_ulp(scale, dtype) -> np.ndarray:
+    """The ULP of ``dtype`` at magnitude |scale| for an error model's scale: ``ulp`` without its top.
+
+    A scale is a bound built from an op's terms (a sum of their magnitudes, times a condition number
+    such as the logits' size), not a value of the format, so it may pass the largest finite value
+    while every rounding it bounds happens in range: the unit is then the spacing the format's
+    precision gives at that magnitude.  (``ulp``'s top binade made float16 attention with values near
+    65504 and logits near 100, a scale of 3e6, allow 32 per ULP instead of 2048, and failed a correct
+    engine that matched a plain float16 arrangement exactly.)  An infinite scale is not finite in any
+    unit: it keeps ``ulp``'s top binade, as the verdicts judge infinities on their own.
+    """
+    f = fmt(dtype)
+    mag = np.abs(np.asarray(scale, dtype=np.float64))
+    _, e = np.frexp(np.where(np.isfinite(mag), mag, f.max_finite))
+    e = np.where(mag == 0, f.emin, np.maximum(e - 1, f.emin))
+    return np.ldexp(1.0, e - (f.precision - 1))
