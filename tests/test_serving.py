@@ -4,6 +4,7 @@ unsupported adapters, rerun commands)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -19,6 +20,7 @@ from gemma4_conformance.properties.forward import relative_error
 from gemma4_conformance.properties.harness import ContractViolation
 from gemma4_conformance.properties.serving import (
     DOCUMENTS,
+    FACTOR,
     FEATURES,
     MAX_STEPS,
     Documents,
@@ -112,8 +114,10 @@ def test_the_correct_session_passes_and_each_cache_bug_fails_in_float32(document
         assert verdict.failures and verdict.worst.ratio > 100, mutant.name
 
 
-# Drawn by the default profile's seed 1: the correct numpy session departs from its own one-call prefill
-# by 3.1 x the baseline's error (both its runs round differently); the relation once allowed 3 x.
+# Drawn by the default profile's seed 1: the correct numpy session departed from its own one-call prefill
+# by 3.1 x the baseline's error (both its runs round differently) where the relation once allowed 3 x.
+# How far it departs depends on the machine's BLAS kernels (1.3 x on another machine), so the test below
+# also builds the departure the relation must allow, whatever the machine.
 TWO_ROUNDINGS = {"sequences": [{"id": 0, "join": 0, "chunks": [1, 12, 11], "decode": 0},
                                {"id": 0, "join": 3, "chunks": [15, 5], "decode": 0},
                                {"id": 6, "join": 2, "chunks": [7, 11, 2], "decode": 2},
@@ -123,15 +127,23 @@ TWO_ROUNDINGS = {"sequences": [{"id": 0, "join": 0, "chunks": [1, 12, 11], "deco
 
 
 def test_the_relation_to_the_sessions_own_prefill_allows_the_errors_of_both_runs(documents):
+    """The numpy session on that schedule passes; and two runs each within FACTOR x the baseline's error
+    of the exact logits, off in opposite directions, depart from each other by nearly 2 x FACTOR, which
+    the relation allows (one at FACTOR would not)."""
     result = run(numpy_backend, TWO_ROUNDINGS, documents, "float32")
-    departures = []
-    for k, (stepped, prefilled) in enumerate(zip(result.stepped, result.prefilled)):
-        ref, base = (documents.reference(k % DOCUMENTS)[:len(stepped)],
-                     documents.baseline(k % DOCUMENTS, "float32")[:len(stepped)])
-        departure = ref + (stepped.astype(np.float64) - prefilled.astype(np.float64))
-        departures.append(relative_error(departure, ref) / relative_error(base, ref))
-    assert max(departures) > 3  # beyond the 3 x the relation once allowed: that failed this correct session
     verdict = judge(result, TWO_ROUNDINGS, documents, "float32")
+    assert not verdict.failures, verdict.failures
+    share = 0.9 * FACTOR
+    stepped, prefilled, departures = [], [], []
+    for k, rows in enumerate(result.stepped):
+        ref, base = (documents.reference(k % DOCUMENTS)[:len(rows)],
+                     documents.baseline(k % DOCUMENTS, "float32")[:len(rows)])
+        stepped.append(ref + share * (base - ref))
+        prefilled.append(ref - share * (base - ref))
+        departures.append(relative_error(ref + stepped[-1] - prefilled[-1], ref) / relative_error(base, ref))
+    assert min(departures) > FACTOR
+    opposite = dataclasses.replace(result, stepped=stepped, prefilled=prefilled)
+    verdict = judge(opposite, TWO_ROUNDINGS, documents, "float32")
     assert not verdict.failures, verdict.failures
 
 
