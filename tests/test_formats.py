@@ -298,10 +298,12 @@ def test_scale_ulp_is_ulp_up_to_the_top_binade(name, what, x, expected):
 def test_scale_ulp_goes_on_past_the_largest_finite_value(name):
     """An error model's scale may pass the format's range (float16 attention: 2.98e6) while its
     roundings do not: the unit follows the precision, 2^(floor(log2 s) - p + 1)."""
-    f = FORMATS[name]
-    for s in (2 * f.max_finite, 2.98367e6 if name == "float16" else 1e300):
-        assert spec.scale_ulp(s, name) == math.ldexp(1, math.frexp(s)[1] - f.precision)
-    assert spec.scale_ulp(2.98367e6, "float16") == 2048.0
+    # hand-worked: 2 x 65504 = 131008 lies in [2^16, 2^17), 2.98e6 in [2^21, 2^22), 1e300 in [2^996, 2^997)
+    expected = {"float16": [(2 * 65504.0, 2.0**(16 - 10)), (2.98367e6, 2048.0)],
+                "bfloat16": [(1e300, 2.0**(996 - 7))],
+                "float32": [(1e300, 2.0**(996 - 23))]}
+    for s, unit in expected[name]:
+        assert spec.scale_ulp(s, name) == unit
 
 
 def test_ulp_at_one_in_each_format():
