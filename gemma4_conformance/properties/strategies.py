@@ -356,7 +356,7 @@ def edge_cases(op: str) -> list[dict]:
     if op in ("gelu_tanh", "gelu_mul"):  # the negative tail, x in [-6, -2], times an exact up of 1.5
         name = "x" if op == "gelu_tanh" else "gu"
         tail = np.linspace(-6, -2, 64).tolist()
-        # and far in it, in every dtype's range: the exact result is x exp(-1.4e13) at -6e4, which the
+        # and far in it, in every dtype's range: the exact result is about x 2^-(2.2e13) at -6e4, which the
         # judging must take without a shift by its exponent (it once ran out of memory there)
         far = [-6e4, -1e4, -300.0, -30.0]
         return [{"args": {name: {"values": [tail if op == "gelu_tanh" else tail + [1.5] * 64]}}},
