@@ -114,6 +114,47 @@ def test_mpf_operands_with_128_bit_mantissas_and_mixed_operands():
         assert_bit_identical(exact_sums.dots(p, p), by_definition(p, p))
 
 
+def far_spread_weights(rng, rows, K, nats):
+    """Softmax-like mpf rows: the largest 1/3, the rest spread down to about e^-nats (2^-1.44 nats)."""
+    with mp.workprec(128):
+        logits = -np.sort(rng.uniform(0, nats, (rows, K)))
+        logits[:, 0] = 0
+        return np.array([[mp.exp(mpf(float(x))) / 3 for x in row] for row in logits], dtype=object)
+
+
+@pytest.mark.parametrize("bits", [53, 128])
+def test_mpf_rows_spanning_far_below_their_largest_are_alike_and_banded_over_their_visible_bits(bits):
+    """Weights down to 2^-100000 below each row's largest (attention over logits 7e4 apart): the bits
+    a once-rounded sum cannot see are dropped before banding, and every sum stays bit-identical."""
+    rng = np.random.default_rng(7)
+    p = far_spread_weights(rng, 4, 40, nats=7e4)
+    v = in_format(rng.standard_normal((6, 40)), "bfloat16")
+    with precision(bits), mp.workprec(bits):
+        assert_bit_identical(exact_sums.dots(p, v), by_definition(p, v))
+        assert_bit_identical(exact_sums.dots(p, v, scale=-0.1), by_definition(p, v, scale=-0.1))
+        assert_bit_identical(exact_sums.dots(p, spec.exact(v)), by_definition(p, v))
+        assert_bit_identical(exact_sums.dots(p, v, rounded=False), by_definition(p, v, rounded=False))
+        keep = bits + exact_sums._GUARD + 40 .bit_length()
+        kept, floors = exact_sums._truncated(p, keep)
+        assert all(f is not None for f in floors)
+        assert max(grid.span for grid in exact_sums._grids(kept)) <= keep + 2  # not 1e5 bits
+
+
+@pytest.mark.parametrize("name, row, col", [
+    # the kept bits of the sum cancel to 0: what is left is the dropped part
+    ("cancelled", [1, 1, mpf(2)**-1400, mpf(2)**-1401], [1.0, -1.0, 3.0, 1.0]),
+    # the kept bits are a tie at 53 bits, which the dropped bits break away from the even neighbour
+    ("tie broken up", [1.0, 2.0**-53, mpf(2)**-1400], [1.0, 1.0, 1.0]),
+    ("tie broken down", [1.0 + 2.0**-52, 2.0**-53, mpf(2)**-1400], [1.0, 1.0, -1.0]),
+])
+def test_sums_whose_rounding_the_dropped_bits_decide_are_summed_by_the_definition(name, row, col):
+    with precision(53), mp.workprec(53):
+        a = np.array([[mpf(x) for x in row]], dtype=object)
+        b = np.array([col])
+        assert exact_sums._truncated(a, 53 + exact_sums._GUARD + 3)[1] != [None]
+        assert_bit_identical(exact_sums.dots(a, b), by_definition(a, b))
+
+
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # exact() of a NaN
 def test_infinities_and_nan_follow_the_definition():
     a = np.array([[1.0, np.inf], [2.0, 3.0]])
@@ -180,3 +221,16 @@ def test_attention_oracles_keep_exact_logits_and_match_their_term_by_term_readin
     assert_bit_identical(spec.sliding_gqa(0.3, window, pos, q, k, v), attention_by_definition(0.3, sliding, q, k, v))
     last = np.ones((1, L), dtype=bool)
     assert_bit_identical(spec.decode_gqa(0.3, q[0], k, v), attention_by_definition(0.3, last, q[:1], k, v)[0])
+
+
+def test_attention_over_logits_far_apart_matches_its_term_by_term_reading():
+    """A default run's draw that sat for minutes: 255 keys with logits tens of thousands apart, whose
+    weights span 77000 bits (the keys here ramp down to -8e5)."""
+    rng = np.random.default_rng(8)
+    S, Hkv, G, D, L = 2, 1, 2, 8, 255
+    q = np.full((S, Hkv, G, D), 16.0) * rng.choice([1.0, 0.5], (S, Hkv, G, D))
+    k = in_format(-25.0 * np.arange(L)[:, None, None] + rng.standard_normal((L, Hkv, D)), "bfloat16")
+    v = in_format(rng.standard_normal((L, Hkv, D)), "bfloat16")
+    pos = np.array([200, 254])
+    causal = np.arange(L)[None, :] <= pos[:, None]
+    assert_bit_identical(spec.causal_gqa(1.0, pos, q, k, v), attention_by_definition(1.0, causal, q, k, v))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from mpmath import mp, mpf
-from mpmath.libmp import from_man_exp, mpf_mul, mpf_pos, mpf_sum
+from mpmath.libmp import from_man_exp, mpf_abs, mpf_add, mpf_mul, mpf_pos, mpf_sub, mpf_sum
 from threadpoolctl import ThreadpoolController
 
 DEFAULT_PRECISION = 128
@@ -294,17 +294,51 @@ def dots(a: np.ndarray, b: np.ndarray, scale=None, rounded: bool = True) -> np.n
     K, N = a.shape[-1], b.shape[0]
     rows = a.reshape(math.prod(a.shape[:-1]), K)
     factor = (mpf(1) if scale is None else mpf(scale))._mpf_
-    A = _grids(rows)
+    kept, floors = (_truncated(rows, mp.prec + _GUARD + K.bit_length()) if rounded and rows.dtype == object
+                    else (rows, None))
+    A = _grids(kept)
     out = np.empty((rows.shape[0], N), dtype=object)
     step = max(1, _CHUNK // max(K, 1))
     with _one_blas_thread():
         for start in range(0, N, step):
-            _dots_block(rows, b[start:start + step], A, factor, rounded, out[:, start:start + step])
+            _dots_block(rows, floors, b[start:start + step], A, factor, rounded, out[:, start:start + step])
     return out.reshape(a.shape[:-1] + (N,))
 
 
-def _dots_block(rows, block, A, factor, rounded, out) -> None:
-    """``dots`` against a block of b's rows, into ``out``."""
+# An mpf row's entries may span far more bits than its rounded sums can see: a softmax's weights reach
+# exp(-5e4), 2^-77000 below the row's largest.  Banding that span costs thousands of products, so the
+# bits of a row below 2^(top - prec - _GUARD - log2 K) are dropped first; the dropped part of a sum is
+# below K * 2^floor * max|b|, and a sum is kept only where both ends of that interval round alike
+# (rounding is monotone, so the exact sum rounds the same), else it is summed by the definition.
+# The guard is wide so that rows are cut only where banding them would cost more than checking every
+# sum's interval (weights 700 nats below the largest), and the definition is needed only where the
+# kept bits cancel or tie.
+_GUARD = 1024
+
+
+def _truncated(rows: np.ndarray, keep: int) -> tuple[np.ndarray, list[int | None]]:
+    """mpf rows with the bits below each row's largest entry's top less ``keep`` dropped (toward 0),
+    and per row the exponent ``floor`` under which bits were dropped, None where none were."""
+    out = rows
+    floors: list[int | None] = []
+    for r, row in enumerate(rows):
+        parts = [v._mpf_ if isinstance(v, mpf) else mpf(v)._mpf_ for v in row]
+        floor = max((e + size for _, m, e, size in parts if m), default=0) - keep
+        if all(e >= floor for _, m, e, _ in parts if m):  # mpf mantissas are odd: no bit below floor
+            floors.append(None)
+            continue
+        if out is rows:
+            out = rows.copy()
+        for k, (negative, m, e, _) in enumerate(parts):
+            if m and e < floor:
+                out[r, k] = mp.make_mpf(from_man_exp(-(m >> (floor - e)) if negative else m >> (floor - e), floor))
+        floors.append(floor)
+    return out, floors
+
+
+def _dots_block(rows, floors, block, A, factor, rounded, out) -> None:
+    """``dots`` against a block of b's rows, into ``out``; ``A`` holds ``rows`` after ``_truncated``,
+    whose ``floors`` say where bits were dropped (None: nowhere)."""
     B = _grids(block) if A is not None else None
     if B is None or factor[1] == 0 and factor[2] != 0:  # an inf or nan: the definition, term by term
         out[...] = _dots_by_definition(rows, block, factor, rounded)
@@ -312,6 +346,19 @@ def _dots_block(rows, block, A, factor, rounded, out) -> None:
     total, unit = _sums(A, B, rows.shape[1], lambda x, y: x @ y.T, rows.shape[0] * block.shape[0])
     total = total * ((-1) ** factor[0] * int(factor[1]))
     out[...] = _from_integers(total, unit + factor[2], rounded).reshape(out.shape)
+    if floors is None or not any(f is not None for f in floors):
+        return
+    total = total.reshape(out.shape)
+    largest = ([max((abs(v) for v in col), default=mp.zero)._mpf_ for col in block] if block.dtype == object
+               else [mpf(float(x))._mpf_ for x in np.abs(widen(block)).max(axis=1, initial=0)])
+    size = mpf_mul(from_man_exp(rows.shape[1], 0), mpf_abs(factor))
+    for r in (r for r, f in enumerate(floors) if f is not None):
+        for n, top in enumerate(largest):
+            value = from_man_exp(total[r, n], unit + factor[2])
+            error = mpf_mul(mpf_mul(size, top), from_man_exp(1, floors[r]))
+            low, high = mpf_sub(value, error, mp.prec, "n"), mpf_add(value, error, mp.prec, "n")
+            out[r, n] = mp.make_mpf(low) if low == high else _dots_by_definition(
+                rows[r:r + 1], block[n:n + 1], factor, rounded)[0, 0]
 
 
 def _dots_by_definition(rows, block, factor, rounded) -> np.ndarray:
