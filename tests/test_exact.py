@@ -142,10 +142,10 @@ def test_mpf_rows_spanning_far_below_their_largest_are_alike_and_banded_over_the
 
 @pytest.mark.parametrize("name, row, col", [
     # the kept bits of the sum cancel to 0: what is left is the dropped part
-    ("cancelled", [1, 1, mpf(2)**-1400, mpf(2)**-1401], [1.0, -1.0, 3.0, 1.0]),
+    ("cancelled", [1, 1, mpf(2)**-400, mpf(2)**-401], [1.0, -1.0, 3.0, 1.0]),
     # the kept bits are a tie at 53 bits, which the dropped bits break away from the even neighbour
-    ("tie broken up", [1.0, 2.0**-53, mpf(2)**-1400], [1.0, 1.0, 1.0]),
-    ("tie broken down", [1.0 + 2.0**-52, 2.0**-53, mpf(2)**-1400], [1.0, 1.0, -1.0]),
+    ("tie broken up", [1.0, 2.0**-53, mpf(2)**-400], [1.0, 1.0, 1.0]),
+    ("tie broken down", [1.0 + 2.0**-52, 2.0**-53, mpf(2)**-400], [1.0, 1.0, -1.0]),
 ])
 def test_sums_whose_rounding_the_dropped_bits_decide_are_summed_by_the_definition(name, row, col):
     with precision(53), mp.workprec(53):
