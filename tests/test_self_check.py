@@ -10,15 +10,16 @@ of the project's tests explores inputs the suite's CI run does not.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from gemma4_conformance import adapters
 from gemma4_conformance.adapters import DTYPES, numpy_backend
-from gemma4_conformance.properties.harness import case_json, judge
+from gemma4_conformance.properties.harness import assess, case_json, judge
 from gemma4_conformance.properties.record import MIN_INFORMATIVE
 from gemma4_conformance.properties.relations import RELATIONS
-from gemma4_conformance.properties.strategies import cases, edge_cases
+from gemma4_conformance.properties.strategies import build, cases, edge_cases
 from gemma4_conformance.spec import OP_NAMES
 
 SEEDS = (1, 2)
@@ -86,6 +87,11 @@ FOUND = [
     # gelu_tanh far in its tail: an exact result near 2^-(2.9e10), whose exact difference with the
     # backend's 0.0 ran out of memory (spec.formats.abs_error).
     ("gelu_tanh", "float64", {"args": {"x": {"log2": 8, "dist": "wide", "shape": [13], "seed": 7}}}),
+    # torch's float16 LM head rounds the logit x.W = 109248 to inf before the product with mul = 0.5, as
+    # the error model's arrangement does, where the exact 54624 is finite (lm_head_logit_overflows).
+    ("lm_head", "float16", {"args": {"x": {"shape": [7], "dist": "wide", "log2": 0, "seed": 0},
+                                     "W": {"shape": [1, 7], "dist": "wide", "log2": 2, "seed": 0},
+                                     "mul": 0.5, "cap": None}, "cancel": None}),
 ]
 
 
@@ -94,3 +100,17 @@ FOUND = [
 def test_cases_that_failed_a_correct_engine_pass(backend, op, dtype, case):
     verdict = judge(adapters.load(backend), op, case, dtype)
     assert verdict.passed, verdict.failures
+
+
+def test_an_lm_head_inf_is_accepted_only_where_the_modelled_logit_overflows():
+    """The domain above excuses the overflow of x.W and nothing else: -inf there, and inf where x.W
+    stays in range, still fail."""
+    (_, _, case), = [f for f in FOUND if f[0] == "lm_head"]
+    args = build("lm_head", case, "float16")
+    assert np.isfinite(numpy_backend.lm_head(*args)).all()  # the exact 54624 rounds to itself
+    inf = np.full((1,), np.inf, dtype=np.float16)
+    assert assess("lm_head", args, inf, "float16").passed
+    assert not assess("lm_head", args, -inf, "float16").passed
+    mul, cap, W, x = args
+    small = (mul, cap, (W.astype(np.float64) / 4).astype(np.float16), x)  # x.W = 27312: no overflow
+    assert not assess("lm_head", small, inf, "float16").passed

@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from gemma4_conformance.spec import fmt
+from gemma4_conformance.spec import fmt, scale_ulp
 
 from .budget import ACCUMULATION, TAU, accumulation_ratio
 
@@ -195,6 +195,20 @@ def lm_head(args, exact, dtype):
     nearest = np.maximum(np.abs(x @ W.T) - uncertainty, 0.0)
     slope = 1 / np.cosh(np.minimum(abs(mul) * nearest / cap, 350)) ** 2
     return np.abs(exact) + np.abs(mul) * slope * dots, flush
+
+
+def lm_head_logit_overflows(args, exact, dtype):
+    """Where the model's own logit L = sum_k x_k W_vk, rounded to D before the product with mul, may
+    round past D's largest finite value: there the spec's mul * L can be finite (mul < 1) while the
+    arrangement the budget models gives +-inf, so an inf with the exact result's sign is accepted.
+    L's error in A (gamma_K) and of the float64 product here count towards reaching the overflow."""
+    mul, cap, W, x = args
+    K = x.shape[-1]
+    f = fmt(dtype)
+    dots = np.abs(x) @ np.abs(W).T
+    uncertainty = (K * fmt(ACCUMULATION[dtype]).eps + K * 2.0**-52) * dots
+    overflow = f.max_finite + scale_ulp(f.max_finite, dtype) / 2  # the least magnitude that rounds to inf
+    return np.abs(x @ W.T) + uncertainty >= overflow
 
 
 def rope(args, exact, dtype):

@@ -136,11 +136,14 @@ class OpEntry:
     quantities: Callable = lambda args: {}  # budget names beyond the contract's dimensions
     tier2: Callable | None = None  # the second tier's error model, where tolerances.yaml gives one
     plain: Callable | None = None  # (op, args, dtype) -> the plain same-dtype arrangements' outputs
+    # (args as float64, exact as float64, dtype) -> where the modelled arrangement's intermediate may
+    # overflow although the exact result is finite: an inf of the exact result's sign is accepted there
+    overflows: Callable | None = None
 
 
-def _entry(name, scale, sample, quantities=None, tier2=None):
+def _entry(name, scale, sample, quantities=None, tier2=None, overflows=None):
     return OpEntry(name, getattr(spec, name), scale, sample, quantities or (lambda args: {}), tier2,
-                   plain.arrangements if tier2 is not None else None)
+                   plain.arrangements if tier2 is not None else None, overflows)
 
 
 _elementwise = rows(lambda args: JUDGE * (_last(args) if np.ndim(args[-1]) else 1))
@@ -169,7 +172,8 @@ OPS: dict[str, OpEntry] = {
         _entry("gelu_mul", error_models.gelu_mul, _elementwise),
         _entry("residual", error_models.residual, _elementwise),
         _entry("embed", error_models.exact_magnitude, embed),
-        _entry("lm_head", error_models.lm_head, matrix, lambda args: {"capped": float(args[1] is not None)}),
+        _entry("lm_head", error_models.lm_head, matrix, lambda args: {"capped": float(args[1] is not None)},
+               overflows=error_models.lm_head_logit_overflows),
         _entry("softmax", error_models.softmax, _norm),
         _entry("causal_gqa", error_models.causal_gqa, attention, tier2=error_models.causal_gqa_in_accumulation),
         _entry("sliding_gqa", error_models.sliding_gqa, attention, tier2=error_models.sliding_gqa_in_accumulation),
