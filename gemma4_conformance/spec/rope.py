@@ -45,16 +45,24 @@ def _rotate(theta, rot, denom, active, pos, x, out):
     """The body of ``rope``, writing into ``out``."""
     D = x.shape[-1]
     half = rot // 2
+    # Each angle once per distinct position (the heads of a token share theirs).
+    distinct, where = np.unique(pos.astype(np.int64), return_inverse=True)
+    distinct = distinct.astype(object)
     for d in range(D):
         if d < half:
-            a = pos * inv_freq(theta, denom, active, d)
+            cos, sin = _cos_sin(distinct * inv_freq(theta, denom, active, d), where, pos.shape)
             partner = x[..., d + half] if d + half < D else 0
-            out[..., d] = x[..., d] * elementwise(mp.cos, a) - partner * elementwise(mp.sin, a)
+            out[..., d] = x[..., d] * cos - partner * sin
         elif d < 2 * half:
-            a = pos * inv_freq(theta, denom, active, d - half)
-            out[..., d] = x[..., d] * elementwise(mp.cos, a) + x[..., d - half] * elementwise(mp.sin, a)
+            cos, sin = _cos_sin(distinct * inv_freq(theta, denom, active, d - half), where, pos.shape)
+            out[..., d] = x[..., d] * cos + x[..., d - half] * sin
         else:
             out[..., d] = x[..., d]
+
+
+def _cos_sin(a, where, shape):
+    """cos and sin of the angles ``a``, spread back to ``shape`` by the index ``where``."""
+    return (elementwise(f, a)[where].reshape(shape) for f in (mp.cos, mp.sin))
 
 
 @oracle
