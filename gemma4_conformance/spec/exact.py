@@ -43,7 +43,19 @@ def precision(bits: int):
         _precision = saved
 
 
-_to_mpf = np.frompyfunc(lambda t: mpf(float(t)), 1, 1)
+def _to_mpf(x: np.ndarray) -> np.ndarray:
+    """A float64 array as an object array of mpf, exactly: each entry from its 53-bit integer
+    mantissa and exponent (half the time of ``mpf(float)`` per entry, the same values)."""
+    flat = x.reshape(-1)
+    finite = np.isfinite(flat)
+    mantissa, exponent = np.frexp(np.where(finite, flat, 0.0))
+    make = mp.make_mpf
+    out = np.empty(flat.size, dtype=object)
+    out[:] = [make(from_man_exp(n, e)) for n, e in
+              zip(np.ldexp(mantissa, 53).astype(np.int64).tolist(), (exponent - 53).tolist())]
+    for i in np.flatnonzero(~finite):
+        out[i] = mpf(float(flat[i]))
+    return out.reshape(x.shape)
 
 
 def exact(x):
@@ -53,7 +65,7 @@ def exact(x):
     already exact (object arrays, mpf) pass through unchanged.
     """
     if is_floating(x):
-        return _to_mpf(x.astype(np.float64)).reshape(x.shape).astype(object)
+        return _to_mpf(x.astype(np.float64))
     if isinstance(x, (float, np.floating)):
         return mpf(float(x))
     return x
@@ -245,12 +257,12 @@ def _widths(K: int, a: _Grid, b: _Grid, pair_cost: float) -> tuple[int, int]:
 def _sums(A: list[_Grid], B: list[_Grid], K: int, product: Callable, outputs: int) -> tuple[np.ndarray, int]:
     """The sum over pairs of grids and their pairs of bands of product(band_a, band_b), each shifted
     into place, exactly: Python integers, and the exponent of their unit."""
-    total = np.zeros(outputs, dtype=object)
     if not A or not B:  # an operand of zeros
-        return total, 0
+        return np.zeros(outputs, dtype=object), 0
     unit = min(a.low for a in A) + min(b.low for b in B)
     partial: dict[int, np.ndarray] = {}  # products at one shift add exactly in int64: each is below 2^53
     count: Counter = Counter()
+    digits = _Digits(outputs)
     for a in A:
         for b in B:
             w_a, w_b = _widths(K, a, b, pair_cost=outputs * K / 4)
@@ -258,14 +270,64 @@ def _sums(A: list[_Grid], B: list[_Grid], K: int, product: Callable, outputs: in
             for offset_a, band_a in a.bands(w_a):
                 for offset_b, band_b in bands_b:
                     shift = a.low + b.low - unit + offset_a + offset_b
-                    if count[shift] == 1 << 10:  # 2^10 of them: move them to Python integers
-                        total += partial.pop(shift).astype(object) << shift
+                    if count[shift] == 1 << 10:  # 2^10 of them: move them to the digits
+                        digits.add(partial.pop(shift), shift)
                         count[shift] = 0
                     partial[shift] = partial.get(shift, 0) + product(band_a, band_b).reshape(-1).astype(np.int64)
                     count[shift] += 1
     for shift, part in partial.items():
-        total += part.astype(object) << shift
-    return total, unit
+        digits.add(part, shift)
+    total, exponent = digits.integers()
+    return total, unit + exponent
+
+
+class _Digits:
+    """An exact sum of int64 arrays times powers of two, kept as base-2^32 digits in int64 arrays:
+    each addition puts pieces below 2^32 in magnitude into a digit, so a digit holds 2^31 additions
+    before it could overflow, far more than the shifts of any sum here."""
+
+    BITS = 32
+    MASK = (1 << BITS) - 1
+
+    def __init__(self, outputs: int):
+        self.digits: dict[int, np.ndarray] = {}
+        self.outputs = outputs
+
+    def _put(self, j: int, piece: np.ndarray) -> None:
+        if j in self.digits:
+            self.digits[j] += piece
+        else:
+            self.digits[j] = piece.copy()
+
+    def add(self, part: np.ndarray, shift: int) -> None:
+        """+= part * 2^shift, part int64."""
+        j, r = divmod(shift, self.BITS)
+        # part = high 2^32 + low, low in [0, 2^32) and |high| < 2^31: shifted by r < 32, each stays in int64
+        for k, piece in ((j, (part & self.MASK) << r), (j + 1, (part >> self.BITS) << r)):
+            self._put(k, piece & self.MASK)
+            self._put(k + 1, piece >> self.BITS)
+
+    def integers(self) -> tuple[np.ndarray, int]:
+        """The sums as Python integers (an object array) times 2^exponent, and the exponent."""
+        if not self.digits:
+            return np.zeros(self.outputs, dtype=object), 0
+        low, high = min(self.digits), max(self.digits)
+        n = high - low + 2  # a digit more for the last carry
+        out = np.empty((self.outputs, n), dtype=np.uint32)
+        carry = np.zeros(self.outputs, dtype=np.int64)
+        for i in range(n):  # carries propagate upward: every digit ends in [0, 2^32)
+            d = self.digits.get(low + i, 0) + carry
+            carry = d >> self.BITS
+            out[:, i] = d & self.MASK
+        # The carry out of the top is the sign: -1 where the digits hold 2^(32 n) plus a negative sum.
+        raw = memoryview(out.tobytes())
+        size = 4 * n
+        negative = (carry < 0).tolist()
+        offset = 1 << (self.BITS * n)
+        result = np.empty(self.outputs, dtype=object)
+        result[:] = [v - offset if neg else v for v, neg in
+                     zip((int.from_bytes(raw[i * size:(i + 1) * size], "little") for i in range(self.outputs)), negative)]
+        return result, self.BITS * low
 
 
 @functools.cache
