@@ -234,3 +234,28 @@ def test_attention_over_logits_far_apart_matches_its_term_by_term_reading():
     pos = np.array([200, 254])
     causal = np.arange(L)[None, :] <= pos[:, None]
     assert_bit_identical(spec.causal_gqa(1.0, pos, q, k, v), attention_by_definition(1.0, causal, q, k, v))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_digits_hold_any_sum_of_shifted_int64_parts_exactly(seed):
+    """The exact sums' accumulator: int64 parts of both signs (up to 2^63 in magnitude) at shifts from 0
+    to thousands of bits, many at one shift, carries through every digit, totals of either sign, and
+    totals cancelling to exactly 0, against the same sums in Python integers."""
+    rng = np.random.default_rng(seed)
+    outputs = 64
+    digits, cancelled = exact_sums._Digits(outputs), exact_sums._Digits(outputs)
+    want = [0] * outputs
+    for _ in range(200):
+        shift = int(rng.choice([0, 1, 31, 32, 33, 63, 64, 65]) + rng.integers(0, 3) * int(rng.choice([1, 32, 1000])))
+        part = rng.integers(-(2**63), 2**63 - 1, outputs, dtype=np.int64, endpoint=True)
+        part[rng.random(outputs) < 0.2] = rng.choice([0, -1, 1, -(2**63), 2**63 - 1])
+        digits.add(part, shift)
+        want = [w + int(p) * 2**shift for w, p in zip(want, part)]
+        cancelled.add(part, shift)
+        cancelled.add(-(part // 2), shift + 1)  # -(p // 2) 2^(s+1) - (p mod 2) 2^s = -p 2^s
+        cancelled.add(-(part % 2), shift)
+    got, exponent = digits.integers()
+    assert [g * 2**exponent for g in got] == want
+    assert any(w < 0 for w in want) and any(w > 0 for w in want)
+    assert list(cancelled.integers()[0]) == [0] * outputs
+    assert list(exact_sums._Digits(3).integers()[0]) == [0, 0, 0]
