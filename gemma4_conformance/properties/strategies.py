@@ -82,7 +82,7 @@ def realize(desc, dtype) -> np.ndarray:
     else:
         raise ValueError(f"unknown distribution {dist!r}")
     limit = f.max_finite / 4
-    return np.clip(x, -limit, limit).astype(f.dtype)
+    return np.clip(x, -limit, limit, out=x).astype(f.dtype, copy=False)  # x is this call's own array
 
 
 def mask(shape, seed, pattern) -> np.ndarray:
