@@ -143,8 +143,9 @@ def dot(a, b, rounded: bool = True) -> mpf:
 # 2^low), cuts those integers into bands of w bits, and multiplies every pair of bands as a float64
 # matrix product.  That product is exact whatever the order or blocking of its sums: its terms and
 # partial sums are integers below K * 2^(w_a + w_b) <= 2^53, all of which float64 holds.  The pairs'
-# results are then added as Python integers, each shifted into place, and rounded once.  An mpf
-# operand (a softmax's weights at 128 bits) is the sum of grids of its mantissas' 53-bit limbs.
+# results are then added exactly, each shifted into place (int64 partials per shift, then base-2^32
+# digits, then one Python integer per output), and rounded once.  An mpf operand (a softmax's
+# weights at 128 bits) is the sum of grids of its mantissas' 53-bit limbs.
 # (FLINT's integer matrix product, python-flint's fmpz_mat, was measured too: making one fmpz per
 # entry costs 0.25 to 1.7 us, more than the whole product here, so a real weight would take 20 s.)
 
