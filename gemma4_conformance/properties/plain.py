@@ -6,7 +6,8 @@ ignores q.k would pass it.  The second tier (FlashAttention's test) compares an 
 what plain implementations in D actually make on the same inputs.  Engines round logits and softmax
 in different places, so the baseline is the largest error over the arrangements found in practice:
 
-* the scale applied to the rounded product q.k (Hugging Face's eager attention), to q before the
+* the scale applied to the rounded product q.k (Hugging Face's eager attention), to the product
+  still in A before its one rounding (per-op JAX, its einsum accumulating in A), to q before the
   product, or as sqrt(scale) to both q and k (PyTorch's math SDPA); the logits rounded to D;
 * the softmax in D (each of s - max, exp and the quotient rounded to D, as per-op JAX does) or in
   the accumulation format A with only the weights rounded to D (torch.softmax, HF's fp32 softmax);
@@ -27,7 +28,7 @@ from gemma4_conformance.spec import fmt
 from .budget import ACCUMULATION
 from .error_models import attention_inputs
 
-SCALE_AT = ("product", "query", "split")
+SCALE_AT = ("product", "accumulated", "query", "split")
 SOFTMAX_IN = ("dtype", "accumulation")
 
 
@@ -50,6 +51,8 @@ def attention(scale, visible, q, k, v, dtype, scale_at: str, softmax_in: str) ->
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         if scale_at == "product":
             logits = round_d(round_d(np.einsum("scge,lce->scgl", q, k)) * s)
+        elif scale_at == "accumulated":
+            logits = round_d(np.einsum("scge,lce->scgl", q, k) * s)
         elif scale_at == "query":
             logits = round_d(np.einsum("scge,lce->scgl", round_d(q * s), k))
         else:
