@@ -207,7 +207,8 @@ def lm_head_logit_overflows(args, exact, dtype):
     f = fmt(dtype)
     dots = np.abs(x) @ np.abs(W).T
     uncertainty = (K * fmt(ACCUMULATION[dtype]).eps + K * 2.0**-52) * dots
-    overflow = f.max_finite + scale_ulp(f.max_finite, dtype) / 2  # the least magnitude that rounds to inf
+    # the least magnitude that rounds to inf (Python floats: float64's is past its own range, inf)
+    overflow = f.max_finite + float(scale_ulp(f.max_finite, dtype)) / 2
     return np.abs(x @ W.T) + uncertainty >= overflow
 
 
