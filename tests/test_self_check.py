@@ -122,3 +122,41 @@ def test_an_lm_head_inf_is_accepted_only_where_the_modelled_logit_overflows():
     mul, cap, W, x = args
     small = (mul, cap, (W.astype(np.float64) / 4).astype(np.float16), x)  # x.W = 27312: no overflow
     assert not assess("lm_head", small, inf, "float16").passed
+
+
+# Arguments where a library's function was measured at its worst (budget.TAU): XLA's float64 tanh
+# errs by 7.1 ULPs at t = 16.0757 (searched over 1.8 million arguments), past the TAU of 6 once used.
+WORST_ARGUMENTS = {("jax", "tanh", "float64"): [16.075680158660663, -16.075680158660663, 15.898521524614164]}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_tau_bounds_the_elementary_functions_the_backends_call(backend, dtype):
+    """The error models charge an elementary function evaluated in A at most TAU ULPs of A; the
+    libraries the built-in backends call must keep to it, at their known worst arguments and on a
+    spread of others (each function's range in the ops: tanh and exp's arguments to 2^6, rope's
+    angles to 2^18)."""
+    import jax.numpy as jnp
+    import torch
+    from mpmath import mp, mpf
+
+    import gemma4_conformance.adapters.jax_backend  # noqa: F401  (JAX with float64, as the backend runs it)
+
+    from gemma4_conformance.properties.budget import tau
+
+    functions = {"tanh": (mp.tanh, np.tanh, torch.tanh, jnp.tanh, 6), "exp": (mp.exp, np.exp, torch.exp, jnp.exp, 6),
+                 "sin": (mp.sin, np.sin, torch.sin, jnp.sin, 18), "cos": (mp.cos, np.cos, torch.cos, jnp.cos, 18)}
+    rng = np.random.default_rng(0)
+    for name, (exact, in_numpy, in_torch, in_jax, top) in functions.items():
+        x = rng.choice([-1.0, 1.0], 500) * 2.0 ** rng.uniform(-20, top, 500)
+        x = np.concatenate([x, WORST_ARGUMENTS.get((backend, name, dtype), [])]).astype(dtype)
+        x = x[np.abs(x) < 80] if name == "exp" else x  # exp finite in float32
+        got = {"numpy": lambda a: in_numpy(a), "torch": lambda a: in_torch(torch.from_numpy(a)).numpy(),
+               "jax": lambda a: np.asarray(in_jax(jnp.asarray(a)))}[backend](x).astype(np.float64)
+        with mp.workprec(120):
+            values = [exact(mpf(float(a))) for a in x]
+            errors = [float(abs(mpf(g) - v)) for g, v in zip(got, values)]
+        spacing = np.spacing(np.abs(np.array([float(v) for v in values])).astype(dtype)).astype(np.float64)
+        worst = int(np.argmax(np.array(errors) / spacing))
+        assert errors[worst] / spacing[worst] <= tau(dtype), (
+            f"{backend}'s {dtype} {name}({x[worst]!r}) errs by {errors[worst] / spacing[worst]:.2f} ULPs > TAU {tau(dtype)}")

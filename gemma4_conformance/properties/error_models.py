@@ -34,7 +34,7 @@ import numpy as np
 
 from gemma4_conformance.spec import fmt, scale_ulp
 
-from .budget import ACCUMULATION, TAU, accumulation_ratio
+from .budget import ACCUMULATION, accumulation_ratio, tau
 
 GELU_K = math.sqrt(2 / math.pi)
 
@@ -68,7 +68,7 @@ def silu(args, exact, dtype):
     return np.abs(exact), product_flush(dtype, x, 1.0)
 
 
-def _gelu_in_accumulation(x):
+def _gelu_in_accumulation(x, dtype):
     """|x|/2 (7 |t| sech^2 t + (TAU + 1) |tanh t|) + 2 |gelu(x)|, t = k (x + 0.044715 x^3): what GELU's
     steps in A cost, in units of u_A.  t takes seven roundings relative to |t| (x^2, x^3, the two
     constants, their product, the sum, the factor), each moving y by |x|/2 |t| sech^2 t; tanh t errs
@@ -80,13 +80,13 @@ def _gelu_in_accumulation(x):
         small = np.abs(t) < 350
         slope = np.where(small, np.abs(t) / np.cosh(np.where(small, t, 0.0)) ** 2, 0.0)
         gelu = x / (1 + np.exp(np.minimum(-2 * t, 700)))  # x/2 (1 + tanh t), without its cancellation
-    return np.abs(x) / 2 * (7 * slope + (TAU + 1) * np.abs(th)) + 2 * np.abs(gelu)
+    return np.abs(x) / 2 * (7 * slope + (tau(dtype) + 1) * np.abs(th)) + 2 * np.abs(gelu)
 
 
 def gelu_tanh(args, exact, dtype):
     """|y|; the steps in A bounded absolutely (``_gelu_in_accumulation``); x may flush before the product."""
     (x,) = args
-    return np.abs(exact), fmt(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(x) + product_flush(dtype, x, 1.0)
+    return np.abs(exact), fmt(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(x, dtype) + product_flush(dtype, x, 1.0)
 
 
 def softcap(args, exact, dtype):
@@ -109,7 +109,7 @@ def silu_mul(args, exact, dtype):
 def gelu_mul(args, exact, dtype):
     """|y|; gelu(gate)'s steps in A, times |up|; the product with up in D or A."""
     gate, up = _gate_up(args[0])
-    absolute = fmt(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(gate) * np.abs(up)
+    absolute = fmt(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(gate, dtype) * np.abs(up)
     return np.abs(exact), absolute + product_flush(dtype, gate, 1.0, up)
 
 
@@ -234,7 +234,7 @@ def rope(args, exact, dtype):
         partner = x[..., j] if j < D else 0.0
         r = np.hypot(x[..., i], partner)
         scale[..., i] = r
-        angle_error[..., i] = r * u_acc * angle * (2 + TAU + (abs(math.log(w)) if w else 0.0))
+        angle_error[..., i] = r * u_acc * angle * (2 + tau(dtype) + (abs(math.log(w)) if w else 0.0))
         if j < D:
             scale[..., j], angle_error[..., j] = r, angle_error[..., i]
     return scale, angle_error + product_flush(dtype, scale, 1.0) * 2
@@ -289,7 +289,7 @@ def _attention(scale, visible, q, k, v, dtype):
     weight = np.where(mask, 1 + np.abs(z) + magnitudes, 0.0)
     pv = np.einsum("scgl,lcd->scgd", p, np.abs(v))
     pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v))
-    d_max = fmt(dtype).eps * (3 + accumulation_ratio(dtype) * (TAU + q.shape[-1])) * np.max(weight, axis=-1)
+    d_max = fmt(dtype).eps * (3 + accumulation_ratio(dtype) * (tau(dtype) + q.shape[-1])) * np.max(weight, axis=-1)
     growth = np.exp(np.minimum(2 * d_max, 700))[..., None]
     flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + np.abs(v))[:, :, None, :]
     first_order = pwv + pv * np.sum(p * weight, axis=-1)[..., None]
@@ -319,7 +319,7 @@ def _attention_in_accumulation(scale, visible, q, k, v, dtype):
     the roundings in D: each weight's, relative u_D (1), and the output's (0.5).
     """
     p, z, magnitudes, mask = _logits(scale, visible, q, k)
-    weight = np.where(mask, (q.shape[-1] + 2) * magnitudes + np.abs(z) + TAU + 1, 0.0)
+    weight = np.where(mask, (q.shape[-1] + 2) * magnitudes + np.abs(z) + tau(dtype) + 1, 0.0)
     pv = np.einsum("scgl,lcd->scgd", p, np.abs(v))
     pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v))
     L = k.shape[0]
