@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from gemma4_conformance import adapters
@@ -95,3 +99,38 @@ def test_a_builtin_with_its_own_setup_gives_that_advice(monkeypatch):
     monkeypatch.setitem(adapters.SETUP, "ghost", "make a venv of its own, then pip install ghost there")
     with pytest.raises(AdapterError, match=r"not installed here \(make a venv of its own, then pip install ghost"):
         load("ghost")
+
+
+_NEAR_THE_MAP_LIMIT = """
+import mmap, sys
+import numpy as np
+import gemma4_conformance.adapters.jax_backend as jb
+limit = int(open("/proc/sys/vm/max_map_count").read())
+jb.MAP_BUDGET.limit = limit - 400 if sys.argv[1] == "on" else None
+jb.MAP_BUDGET.every = 1
+backend = jb.backend()
+# Other maps fill the process to 600 below the kernel's limit, alternating sizes so none merge.
+held = [mmap.mmap(-1, 4096 * (1 + i % 2)) for i in range(limit - 600 - jb.MAP_BUDGET.maps())]
+for L in (1, 2, 4, 8, 16, 32, 64):  # 63 attention programs hold about 1100 maps
+    for H in (1, 2, 4):
+        for D in (8, 16, 32):
+            q, k = np.ones((L, H, 2, D), np.float32), np.ones((L, H, D), np.float32)
+            out = backend.causal_gqa(0.5, np.arange(L), q, k, k)
+            assert np.allclose(out, 1, rtol=1e-6, atol=0), "the values are all ones"
+print("clears", jb.MAP_BUDGET.clears)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/sys/vm/max_map_count"), reason="the map limit is Linux's")
+def test_jax_drops_its_programs_before_the_kernels_map_limit_crashes_xla():
+    """A thorough jax run crashed (SIGSEGV in XLA's compiler, 'LLVM compilation error: Cannot allocate
+    memory') once its compiled programs held all 65530 maps Linux allows; MapBudget prevents it."""
+    pytest.importorskip("jax")
+    env = {**os.environ, "GEMMA4_CONFORMANCE_JAX_CACHE": ""}
+    run = [sys.executable, "-c", _NEAR_THE_MAP_LIMIT]
+    guarded = subprocess.run(run + ["on"], capture_output=True, text=True, env=env, timeout=600)
+    assert guarded.returncode == 0, guarded.stderr[-2000:]
+    assert int(guarded.stdout.split()[-1]) > 0
+    unguarded = subprocess.run(run + ["off"], capture_output=True, text=True, env=env, timeout=600)
+    # Without MapBudget it must crash here, or this test no longer shows what the guard prevents.
+    assert unguarded.returncode != 0 and "Cannot allocate memory" in unguarded.stderr, unguarded.stderr[-2000:]

@@ -16,7 +16,10 @@ arrays on the adapter's device, runs the op there under its matmul precision and
 back as numpy.  A compilation takes 0.1 to 1.5 s and a run draws thousands of shapes, so, as a
 JAX server pads its batches: independent rows (the leading axes), queries and keys are padded to the
 next power of two on the way in (``_padded``), and compiled programs are kept between runs in JAX's
-persistent compilation cache (``_compilation_cache``).
+persistent compilation cache (``_compilation_cache``).  Each program in memory holds 3 to 20 memory
+maps on the CPU, and Linux lets a process hold 65530 (vm.max_map_count): a thorough run compiled
+over 7000 programs, and XLA crashed with a segmentation fault when mmap failed, so ``MapBudget``
+drops the programs held in memory when the maps near half the limit (the disk cache reloads them).
 
 ``backend(device="cpu", precision="highest")`` is the factory ``--backend=jax[...]`` calls: ``device``
 is ``cpu``, ``gpu``, ``gpu:N`` (``cuda`` is read as ``gpu``) or ``tpu``; ``precision`` is a value of
@@ -59,6 +62,34 @@ def _compilation_cache() -> None:
 
 
 _compilation_cache()
+
+class MapBudget:
+    """Clears JAX's in-memory programs (``jax.clear_caches``) whenever the process's memory maps pass
+    ``fraction`` of the kernel's limit; it counts them every ``every`` ops, as reading
+    /proc/self/maps costs about 0.7 us a map (23 ms at half the limit).  Where there is no such limit (not Linux) it does nothing."""
+
+    def __init__(self, fraction: float = 0.5, every: int = 64):
+        try:
+            self.limit = int(Path("/proc/sys/vm/max_map_count").read_text()) * fraction
+        except (OSError, ValueError):
+            self.limit = None
+        self.every = every
+        self.calls = 0
+        self.clears = 0
+
+    @staticmethod
+    def maps() -> int:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+
+    def tick(self) -> None:
+        self.calls += 1
+        if self.limit is not None and self.calls % self.every == 0 and self.maps() > self.limit:
+            jax.clear_caches()
+            self.clears += 1
+
+
+MAP_BUDGET = MapBudget()
 
 PRECISION = "highest"  # the matmul precision the backend's ops run under unless told otherwise
 
@@ -456,7 +487,9 @@ def _contract_method(op: str):
         placed = [self._put(a, kind) for a, kind in zip(padded, kinds)]
         with self._precision():
             out = getattr(self.kernels, op)(*placed, **kwargs)
-        return unpad(self._get(out))
+        result = unpad(self._get(out))
+        MAP_BUDGET.tick()
+        return result
 
     method.__name__ = method.__qualname__ = op
     method.__doc__ = f"``{op}`` of the contract, computed on the adapter's device."
