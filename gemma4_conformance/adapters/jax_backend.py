@@ -63,10 +63,12 @@ def _compilation_cache() -> None:
 
 _compilation_cache()
 
+
 class MapBudget:
     """Clears JAX's in-memory programs (``jax.clear_caches``) whenever the process's memory maps pass
     ``fraction`` of the kernel's limit; it counts them every ``every`` ops, as reading
-    /proc/self/maps costs about 0.7 us a map (23 ms at half the limit).  Where there is no such limit (not Linux) it does nothing."""
+    /proc/self/maps costs about 0.7 us a map (23 ms at half the limit).  Where there is no such
+    limit (not Linux) it does nothing."""
 
     def __init__(self, fraction: float = 0.5, every: int = 64):
         try:
