@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gemma4_conformance.spec import CONTRACT, fmt, round_to, scale_ulp
+from mpmath import mp, mpf
+
+from gemma4_conformance.spec import CONTRACT, enclosures, fmt, get_precision, precision, round_to, scale_ulp
 from gemma4_conformance.spec.formats import abs_error
 from gemma4_conformance.spec.exact import widen
 
@@ -82,6 +84,9 @@ class Verdict:
     tier2: Tier2 | None = None
     admitted: list[str] = field(default_factory=list)  # trivially wrong answers the allowance admits
     checked: int = 0  # output elements compared with the oracle (all, unless the op's sampler drew some)
+    by_oracle: int = 0  # of those, how many the first stage (spec.enclosures) left to the oracle
+    # where the first stage's bounds leave the largest error's printed digits open (none: they are settled)
+    contenders: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     # Wall seconds of the backend's call (its transfers to and from its device apart, when it counts
     # them in ``transfer_seconds``) and of the oracle's judgement (exact result, scale, comparison).
     seconds: dict[str, float] = field(default_factory=dict)
@@ -122,40 +127,204 @@ def judge(adapter, op: str, case: dict, dtype: str, seed: int = 0) -> Verdict:
     return verdict
 
 
-def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, work: int = ORACLE_WORK) -> Verdict:
+FALLBACK_SHARE = 0.5  # past this share of undecided elements the oracle judges the whole example
+# The largest error is settled by the oracle where at most this share of the elements, or this many, could
+# be it; past
+# it (float64 outputs whose errors all sit near one ULP) the first stage's value stands, within its bounds.
+CONTENDER_SHARE, CONTENDERS = 0.05, 64
+RESOLUTION = 1e-6  # ULPs: errors below it print as 0 in the comparison of the two stages' largest errors
+
+
+def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, work: int = ORACLE_WORK,
+           first_stage: bool = True, fallback: bool = True) -> Verdict:
     """Compare ``out``, an implementation's result for ``op`` on ``args``, with the oracle: all of it,
-    or the part the op's sampler draws when the whole would cost more than ``work``."""
+    or the part the op's sampler draws when the whole would cost more than ``work``.
+
+    Ziv's strategy: the op's enclosure (spec.enclosures) decides every element it can; the oracle
+    judges the least part of the output (rows, features, queries, heads) that holds the rest, or the
+    whole example where the enclosure decides less than half of it, where a tier-2 or informativeness
+    decision is too close to call, and wherever the example fails (so a failure's message is the
+    oracle's).  ``first_stage=False`` is the oracle alone; ``fallback=False`` the enclosure alone (for
+    the tests that show the two are needed together).
+    """
     entry = OPS[op]
     sub_args, index = entry.sample(op, args, np.random.default_rng(seed), work)
     got = np.asarray(out[index])
-    exact = np.asarray(entry.oracle(*sub_args), dtype=object).reshape(got.shape)
-    exact64 = round_to(exact, "float64")
-    scale, absolute = (np.broadcast_to(a, got.shape) for a in entry.scale(_widened(sub_args), exact64, dtype))
+    stage = _enclosed(entry, sub_args, dtype, got) if first_stage and entry.enclosure is not None else None
+    if stage is not None:
+        verdict, undecided = _judge(entry, sub_args, got, dtype, index, stage)
+        verdict.by_oracle = int(undecided.sum())
+        if not fallback:
+            return verdict
+        if not undecided.any() and verdict.passed:
+            # The largest error as the report prints it: the oracle settles the elements that could be it.
+            undecided = verdict.contenders
+            if not undecided.any() or undecided.sum() > max(CONTENDERS, CONTENDER_SHARE * undecided.size):
+                return verdict
+        if entry.restrict is not None and verdict.passed and undecided.mean() <= FALLBACK_SHARE:
+            part, where = entry.restrict(op, sub_args, undecided)
+            stage.settle(where, _by_oracle(entry, part, dtype, got[where]))
+            settled, still = _judge(entry, sub_args, got, dtype, index, stage)
+            if settled.passed and not still.any():
+                settled.by_oracle = verdict.by_oracle + int(undecided.sum())
+                return settled
+    verdict, _ = _judge(entry, sub_args, got, dtype, index, _by_oracle(entry, sub_args, dtype, got))
+    verdict.by_oracle = got.size
+    return verdict
 
-    dims, _ = CONTRACT[op].bind(*sub_args)
+
+class _Stage:
+    """What the judging knows of the exact result, per output element: the nearest float64
+    ``exact64`` (within ``rad`` of the exact value; 0 where it is the oracle's rounding), the error
+    |got - exact| (``error``, within [``error_low``, ``error_high``]), and the correctly rounded
+    result in the dtype where a verdict reads it (``rounded``)."""
+
+    def __init__(self, exact64, rad, error, error_low, error_high, rounded):
+        self.exact64, self.rad, self.error, self.error_low, self.error_high = exact64, rad, error, error_low, error_high
+        self._rounded = rounded  # mask -> the correctly rounded values there, nan where not decided
+
+    def rounded(self, mask):
+        return self._rounded(mask)
+
+    def settle(self, where, other: "_Stage") -> None:
+        """Take ``other``'s knowledge (the oracle's, of the part ``where``)."""
+        for name in ("exact64", "rad", "error", "error_low", "error_high"):
+            getattr(self, name)[where] = getattr(other, name)
+        first = self._rounded
+
+        def rounded(mask):
+            out = first(mask)
+            inner = mask[where]
+            if inner.any():
+                part = out[where]
+                part[inner] = other.rounded(inner)[inner]
+                out[where] = part
+            return out
+
+        self._rounded = rounded
+
+
+_SLACK = 2.0**-40  # relative: what the float64 arithmetic of a verdict may move its numbers by
+
+
+def _enclosed(entry, args, dtype, got) -> _Stage | None:
+    """The first stage's knowledge, or None where the enclosure does not take the arguments."""
+    f = fmt(dtype)
+    work = enclosures.work_type(f.precision)
+    try:
+        with np.errstate(all="ignore"):
+            mid, rad = entry.enclosure(*args, work=work)
+    except enclosures.NotEnclosed:
+        return None
+    mid = np.asarray(mid, dtype=work).reshape(got.shape)
+    rad = np.asarray(rad, dtype=work).reshape(got.shape)
+    rad = np.where(np.isnan(rad) | ~np.isfinite(mid), np.inf, rad)
+    with np.errstate(all="ignore"):
+        exact64 = mid.astype(np.float64)
+        difference = np.abs(got.astype(np.float64).astype(work) - mid)
+        error = difference.astype(np.float64)
+        error_high = ((difference + rad) * work(1 + _SLACK)).astype(np.float64)
+        error_low = (np.maximum(difference - rad, 0) * work(1 - _SLACK)).astype(np.float64)
+        exact_rad = (rad + np.abs(mid - exact64.astype(work))).astype(np.float64) * (1 + _SLACK)
+        low, high = (mid - rad).astype(f.dtype), (mid + rad).astype(f.dtype)
+
+    def rounded(mask):
+        decided = mask & (low.astype(np.float64) == high.astype(np.float64)) & np.isfinite(rad)
+        return np.where(decided, low.astype(np.float64), np.nan)
+
+    return _Stage(exact64, np.where(np.isfinite(exact_rad), exact_rad, np.inf), error, error_low, error_high, rounded)
+
+
+def _by_oracle(entry, args, dtype, got) -> _Stage:
+    """The oracle's knowledge: exact, and its roundings correct (``correctly_rounded``)."""
+    exact = np.asarray(entry.oracle(*args), dtype=object).reshape(got.shape)
+    exact, exact64 = correctly_rounded(entry.oracle, args, exact, "float64")
+    got64 = got.astype(np.float64)
+    finite = np.isfinite(got64)
+    error = np.where(finite, abs_error(np.where(finite, got64, 0.0), exact), 0.0)
+
+    def rounded(mask):
+        out = np.full(got.shape, np.nan)
+        out[mask] = correctly_rounded(entry.oracle, args, exact, dtype, mask)[1][mask].astype(np.float64)
+        return out
+
+    return _Stage(exact64, np.zeros(got.shape), error, error, error, rounded)
+
+
+# The oracles compute at the working precision; a result within 2^(GUARD - precision) of it, relative,
+# rounds alike or the precision doubles (the oracles' few roundings at 128 bits stay far inside that).
+GUARD = 16
+MAX_PRECISION = 1024
+
+
+def correctly_rounded(oracle, args, exact, dtype, mask=None):
+    """(exact, exact rounded once to ``dtype``): where the oracle's value is too near a rounding boundary
+    of ``dtype`` to tell which way the exact result rounds, it is computed again at twice the
+    precision, until both ends of its error interval round alike (Ziv's loop), or the value no longer
+    changes (an exact tie) or the precision reaches MAX_PRECISION."""
+    mask = np.ones(exact.shape, dtype=bool) if mask is None else mask
+    if not mask.any():
+        return exact, np.zeros(exact.shape, dtype=fmt(dtype).dtype)
+    bits = get_precision()
+    while True:
+        values = exact[mask]
+        with mp.workprec(2 * bits):  # the interval's ends exactly
+            slack = mpf(2) ** (GUARD - bits)
+            low = round_to(np.array([v - abs(v) * slack for v in values], dtype=object), dtype)
+            high = round_to(np.array([v + abs(v) * slack for v in values], dtype=object), dtype)
+        nearest = round_to(values, dtype)
+        alike = (low.astype(np.float64) == high.astype(np.float64)) | ~np.array([bool(mp.isfinite(v)) for v in values], dtype=bool)
+        out = np.zeros(exact.shape, dtype=fmt(dtype).dtype)
+        out[mask] = nearest
+        if alike.all() or bits >= MAX_PRECISION:
+            return exact, out
+        bits *= 2
+        with precision(bits):
+            sharper = np.asarray(oracle(*args), dtype=object).reshape(exact.shape)
+        if all(a == b for a, b in zip(sharper[mask][~alike], values[~alike])):  # the tie is exact
+            return exact, out
+        exact = sharper
+
+
+def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.ndarray]:
+    """The verdict on ``got`` from what ``stage`` knows, and the elements whose pass it cannot certify
+    (all of them where a decision about the whole example is too close to call)."""
+    op = entry.name
+    exact64, rad = stage.exact64, stage.rad
+    scale, absolute = (np.broadcast_to(a, got.shape) for a in entry.scale(_widened(args), exact64, dtype))
+
+    dims, _ = CONTRACT[op].bind(*args)
     b = budget(op, dtype)
-    quantities = {**dims, **entry.quantities(sub_args)}
+    quantities = {**dims, **entry.quantities(args)}
     allowed = b.ulps(**quantities)
 
     got64 = got.astype(np.float64)
     finite = np.isfinite(got64)
     # The correctly rounded result, where a verdict reads it: an inf of the backend, and the worst element.
-    expected = np.full(got.shape, np.nan)
-    expected[~finite] = round_to(exact[~finite], dtype).astype(np.float64)
-    error = np.where(finite, abs_error(np.where(finite, got64, 0.0), exact), 0.0)
+    expected = stage.rounded(~finite)
+    undecided = ~finite & np.isnan(expected) & ~np.isnan(got64)
+    error = stage.error
     # ULPs at the scale, with the absolute allowance folded into the unit: error <= budget * unit.
+    # The error models read the exact result only as |exact| in the scale (1-Lipschitz): the unit at
+    # the ends of its enclosure bounds the ULPs.
     unit = scale_ulp(scale, dtype) + absolute / allowed
-    ulps = np.where(finite, error / unit, np.inf)
+    unit_low = scale_ulp(np.maximum(scale - rad, 0.0), dtype) + absolute / allowed
+    with np.errstate(all="ignore"):
+        ulps = np.where(finite, error / unit, np.inf)
+        ulps_high = np.where(finite, stage.error_high / unit_low, np.inf)
     # A result that rounds to +-inf in the dtype (overflow) is right when the backend gives that inf, and
     # so is an inf of the exact result's sign where the modelled arrangement's intermediate may overflow.
     right_inf = np.isinf(got64) & (got64 == expected)
     if entry.overflows is not None:
-        may = np.broadcast_to(entry.overflows(_widened(sub_args), exact64, dtype), got.shape)
-        right_inf |= np.isinf(got64) & may & (np.sign(got64) == np.sign(exact64))
+        may = np.broadcast_to(entry.overflows(_widened(args), exact64, dtype), got.shape)
+        signed = np.isinf(got64) & may & (np.sign(got64) == np.sign(exact64))
+        undecided |= signed & ~right_inf & (np.abs(exact64) <= rad)
+        right_inf |= signed
     ulps = np.where(right_inf, 0.0, ulps)
+    undecided &= ~right_inf | (np.abs(exact64) <= rad)
 
     failures = []
-    nan = np.isnan(out.astype(np.float64))
+    nan = np.isnan(got64)
     if nan.any():
         failures.append(f"NaN in the output at {_first(nan)} where the exact result is finite")
     overflow = np.isinf(got64) & np.isfinite(expected) & ~right_inf
@@ -163,36 +332,56 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
         failures.append(f"inf at {_coords(index, overflow)} where the exact result rounds to "
                         f"{expected[overflow][0]!r} in {dtype}")
     zero_scale = (scale == 0) & (absolute == 0) & finite & (error != 0)
+    undecided |= finite & (absolute == 0) & (scale > 0) & (scale <= rad)  # scale 0 or not: too close
+    undecided |= zero_scale & (rad > 0)
     if zero_scale.any():
         failures.append(f"{got64[zero_scale][0]!r} at {_coords(index, zero_scale)} where the exact result is 0 "
                         f"(a masked or exactly-zero output must be exactly 0)")
     over = finite & (ulps > allowed) & ~zero_scale
+    undecided |= finite & ~zero_scale & ~(ulps_high <= allowed * (1 - _SLACK)) & (rad > 0)
     if over.any():
         worst = np.unravel_index(np.argmax(np.where(over, ulps, -1)), ulps.shape)
-        expected[worst] = round_to(exact[worst], dtype).astype(np.float64)
+        mask = np.zeros(got.shape, dtype=bool)
+        mask[worst] = True
+        expected[worst] = stage.rounded(mask)[worst]
         failures.append(
             f"error {ulps[worst]:.4g} ULPs at the op's scale > budget {allowed:.4g} ({b.formula}) at "
             f"{_coords(index, worst)}: got {got64[worst]!r}, exact {float(exact64[worst])!r} "
             f"(correctly rounded {expected[worst]!r}), scale {float(scale[worst]):.6g}")
     tier1_allowance = allowed * scale_ulp(scale, dtype) + absolute
+    whole = np.zeros(got.shape, dtype=bool)  # a decision about the whole example too close to call
+    uncertain = bool(np.any(rad > 0))
+
+    def distance(answer, sign):
+        """|answer - exact|, or its lower (sign -1) or upper (+1) bound."""
+        return np.maximum(np.abs(answer - exact64) + sign * rad * (1 + _SLACK), 0.0)
 
     def tier1_admits(answer):
-        return bool(np.all(np.abs(answer - exact64) <= tier1_allowance))
+        admits = bool(np.all(distance(answer, 0) <= tier1_allowance))
+        if uncertain and admits != bool(np.all(distance(answer, +1) <= tier1_allowance * (1 - _SLACK))) or \
+                uncertain and admits != bool(np.all(distance(answer, -1) <= tier1_allowance * (1 + _SLACK))):
+            whole[...] = True
+        return admits
 
     tier2 = tier2_admits = None
     if b.tier2 is not None:
-        t_scale, t_absolute = (np.broadcast_to(a, got.shape) for a in entry.tier2(_widened(sub_args), exact64, dtype))
+        t_scale, t_absolute = (np.broadcast_to(a, got.shape) for a in entry.tier2(_widened(args), exact64, dtype))
         t_unit = scale_ulp(t_scale, dtype)
         judged = t_scale > 0  # rows with nothing visible: tier 1 holds them to exactly 0
 
-        def beyond(answer):
+        def beyond(answer, sign=0):
             """The largest error of ``answer`` in ULPs at the tier's scale beyond its absolute allowance."""
-            excess = np.maximum(np.abs(answer - exact64) - t_absolute, 0.0) / t_unit
+            excess = np.maximum(distance(answer, sign) - t_absolute, 0.0) / t_unit
             return float(np.max(np.where(judged, excess, 0.0), initial=0.0))
 
-        baseline = max(beyond(plain) for plain in entry.plain(op, sub_args, dtype))
-        tier2 = Tier2(beyond(np.where(finite, got64, np.inf)), baseline,
-                      b.tier2.ulps(**quantities) + b.factor * baseline)
+        plains = list(entry.plain(op, args, dtype))
+        baseline = max(beyond(plain) for plain in plains)
+        candidate = np.where(finite, got64, np.inf)
+        tier2 = Tier2(beyond(candidate), baseline, b.tier2.ulps(**quantities) + b.factor * baseline)
+        if uncertain and tier2.error <= tier2.allowed:
+            lowest = b.tier2.ulps(**quantities) + b.factor * max(beyond(plain, -1) for plain in plains)
+            if beyond(candidate, +1) > lowest * (1 - _SLACK):
+                whole[...] = True
         if tier2.error > tier2.allowed:
             failures.append(
                 f"error {tier2.error:.4g} ULPs at the second tier's scale (sum_l p_l |v_l|, beyond its absolute "
@@ -200,12 +389,35 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
                 f"error of the plain {dtype} arrangements on these inputs")
 
         def tier2_admits(answer):
-            return beyond(answer) <= tier2.allowed
+            admits = beyond(answer) <= tier2.allowed
+            if uncertain and admits != (beyond(answer, -1) <= tier2.allowed) or \
+                    uncertain and admits != (beyond(answer, +1) <= tier2.allowed):
+                whole[...] = True
+            return admits
 
-    admitted = [name for name, answer in trivial_answers(op, sub_args, exact64).items()
+    admitted = [name for name, answer in trivial_answers(op, args, exact64).items()
                 if tier1_admits(answer) and (tier2_admits is None or tier2_admits(answer))]
     finite_ulps = ulps[np.isfinite(ulps)]
-    return Verdict(op, dtype, allowed, finite_ulps.ravel(), failures, tier2, admitted, checked=got.size)
+    verdict = Verdict(op, dtype, allowed, finite_ulps.ravel(), failures, tier2, admitted, checked=got.size)
+    if uncertain:
+        verdict.contenders = _contenders(finite & ~right_inf, stage.error_low / (scale_ulp(scale + rad, dtype) +
+                                                                             absolute / allowed), ulps_high)
+    return verdict, undecided | whole
+
+
+def printed(ulps: float) -> str:
+    """An error as the report keeps it: 4 significant digits, 0 below RESOLUTION."""
+    return f"{ulps:.4g}" if not ulps < RESOLUTION else "0"
+
+
+def _contenders(judged, low, high) -> np.ndarray:
+    """The elements whose error could be the largest, where the bounds do not print alike (4 digits)."""
+    with np.errstate(all="ignore"):
+        low, high = np.where(judged, low, -np.inf), np.where(judged, high, -np.inf)
+    least, most = float(np.max(low, initial=-np.inf)), float(np.max(high, initial=-np.inf))
+    if printed(least) == printed(most):
+        return np.zeros(judged.shape, dtype=bool)
+    return judged & (high >= least)
 
 
 def trivial_answers(op: str, args: tuple, exact: np.ndarray) -> dict[str, np.ndarray]:

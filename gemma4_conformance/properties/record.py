@@ -38,6 +38,12 @@ class OpRecord:
     message: str = ""  # why the worst example failed, or why the op errored
     informative: int = 0  # examples whose allowance excluded every trivially wrong answer
     seconds: dict[str, float] = field(default_factory=lambda: {"backend": 0.0, "transfer": 0.0, "oracle": 0.0})
+    checked: int = 0  # output elements judged
+    by_oracle: int = 0  # of those, the ones the first stage's enclosures left to the oracle
+
+    def judged(self, checked: int, by_oracle: int) -> None:
+        self.checked += checked
+        self.by_oracle += by_oracle
 
     def timed(self, seconds: dict[str, float]) -> None:
         """Add one example's wall seconds (backend, transfer, oracle: harness.Verdict.seconds)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gemma4_conformance import spec
+from gemma4_conformance.spec import enclosures
 
 from . import budget, error_models, plain
 
@@ -40,22 +41,34 @@ def rows(per_row: Callable[[tuple], float]):
     """Sample rows (the leading axes flattened) of a row-wise op whose arguments share them."""
 
     def sample(op, args, rng, work=ORACLE_WORK):
-        contract = spec.CONTRACT[op]
-        _, lead = contract.bind(*args)
+        _, lead = spec.CONTRACT[op].bind(*args)
         n = int(np.prod(lead, dtype=np.int64))
-        keep = _pick(rng, n, int(work // max(1, per_row(args))))
-        if len(keep) == n:
-            return args, (Ellipsis,)
-        sub = []
-        for a, value in zip(contract.args, args):
-            if a.kind in ("float", "index", "mask") and a.shape.startswith("..."):
-                value = np.asarray(value)
-                value = value.reshape((n,) + value.shape[len(lead):])[keep]
-            sub.append(value)
-        index = np.unravel_index(keep, lead) if lead else ()
-        return tuple(sub), tuple(index)
+        return _rows(op, args, _pick(rng, n, int(work // max(1, per_row(args)))))
 
     return sample
+
+
+def _rows(op, args, keep):
+    contract = spec.CONTRACT[op]
+    _, lead = contract.bind(*args)
+    n = int(np.prod(lead, dtype=np.int64))
+    if len(keep) == n:
+        return args, (Ellipsis,)
+    sub = []
+    for a, value in zip(contract.args, args):
+        if a.kind in ("float", "index", "mask") and a.shape.startswith("..."):
+            value = np.asarray(value)
+            value = value.reshape((n,) + value.shape[len(lead):])[keep]
+        sub.append(value)
+    index = np.unravel_index(keep, lead) if lead else ()
+    return tuple(sub), tuple(index)
+
+
+def restrict_rows(op, args, mask):
+    """The rows holding an element of ``mask`` (over the op's output)."""
+    _, lead = spec.CONTRACT[op].bind(*args)
+    n = int(np.prod(lead, dtype=np.int64))
+    return _rows(op, args, np.flatnonzero(mask.reshape(n, -1).any(axis=1)))
 
 
 def _last(args):
@@ -68,12 +81,22 @@ def matrix(op, args, rng, work=ORACLE_WORK):
     *head, x = args
     weights = [i for i, a in enumerate(head) if isinstance(a, np.ndarray)]
     N, K = head[weights[0]].shape
-    lead = x.shape[:-1]
-    n_rows = int(np.prod(lead, dtype=np.int64))
+    n_rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     keep_n = _pick(rng, N, int(work // (len(weights) * (K * WEIGHT + JUDGE * n_rows))))
     if len(keep_n) == N:
         return args, (Ellipsis,)
     keep_rows = _pick(rng, n_rows, int(work // (len(weights) * len(keep_n) * JUDGE)))
+    return _matrix(op, args, keep_n, keep_rows)
+
+
+def _matrix(op, args, keep_n, keep_rows):
+    *head, x = args
+    weights = [i for i, a in enumerate(head) if isinstance(a, np.ndarray)]
+    N, K = head[weights[0]].shape
+    lead = x.shape[:-1]
+    n_rows = int(np.prod(lead, dtype=np.int64))
+    if len(keep_n) == N and len(keep_rows) == n_rows:
+        return args, (Ellipsis,)
     sub = list(head)
     for i in weights:
         sub[i] = head[i][keep_n]
@@ -85,6 +108,16 @@ def matrix(op, args, rng, work=ORACLE_WORK):
     else:
         index = (columns,)
     return tuple(sub), index
+
+
+def restrict_matrix(op, args, mask):
+    """The output features and rows holding an element of ``mask``."""
+    x = args[-1]
+    cells = mask.reshape(int(np.prod(x.shape[:-1], dtype=np.int64)), -1)
+    if op == "gate_up":
+        half = cells.shape[1] // 2
+        cells = cells[:, :half] | cells[:, half:]
+    return _matrix(op, args, np.flatnonzero(cells.any(axis=0)), np.flatnonzero(cells.any(axis=1)))
 
 
 def _per_query_head(L, D):
@@ -99,28 +132,56 @@ def attention(op, args, rng, work=ORACLE_WORK):
     L = k.shape[0]
     keep_s = _pick(rng, S, int(work // (Hkv * G * _per_query_head(L, D))))
     keep_c = _pick(rng, Hkv, int(work // (len(keep_s) * G * _per_query_head(L, D))))
+    return _attention(args, keep_s, keep_c)
+
+
+def _attention(args, keep_s, keep_c):
+    *head, pos, q, k, v = args
+    S, Hkv, G, D = q.shape
     if len(keep_s) == S and len(keep_c) == Hkv:
         return args, (Ellipsis,)
     sub = (*head, np.asarray(pos)[keep_s], q[keep_s][:, keep_c], k[:, keep_c], v[:, keep_c])
     return sub, np.ix_(keep_s, keep_c, np.arange(G), np.arange(D))
 
 
+def restrict_attention(op, args, mask):
+    """The queries and KV heads holding an element of ``mask``."""
+    return _attention(args, np.flatnonzero(mask.any(axis=(1, 2, 3))), np.flatnonzero(mask.any(axis=(0, 2, 3))))
+
+
 def decode(op, args, rng, work=ORACLE_WORK):
     scale, q, k, v = args
     Hkv, G, D = q.shape
     L = k.shape[0]
-    keep_c = _pick(rng, Hkv, int(work // (G * _per_query_head(L, D))))
+    return _decode(args, _pick(rng, Hkv, int(work // (G * _per_query_head(L, D)))))
+
+
+def _decode(args, keep_c):
+    scale, q, k, v = args
+    Hkv, G, D = q.shape
     if len(keep_c) == Hkv:
         return args, (Ellipsis,)
     return (scale, q[keep_c], k[:, keep_c], v[:, keep_c]), np.ix_(keep_c, np.arange(G), np.arange(D))
 
 
+def restrict_decode(op, args, mask):
+    return _decode(args, np.flatnonzero(mask.any(axis=(1, 2))))
+
+
 def embed(op, args, rng, work=ORACLE_WORK):
     c, E, tokens = args
-    keep = _pick(rng, len(tokens), int(work // (JUDGE * E.shape[1])))
+    return _embed(args, _pick(rng, len(tokens), int(work // (JUDGE * E.shape[1]))))
+
+
+def _embed(args, keep):
+    c, E, tokens = args
     if len(keep) == len(tokens):
         return args, (Ellipsis,)
     return (c, E, np.asarray(tokens)[keep]), (keep,)
+
+
+def restrict_embed(op, args, mask):
+    return _embed(args, np.flatnonzero(mask.any(axis=1)))
 
 
 def whole(op, args, rng, work=ORACLE_WORK):
@@ -139,11 +200,20 @@ class OpEntry:
     # (args as float64, exact as float64, dtype) -> where the modelled arrangement's intermediate may
     # overflow although the exact result is finite: an inf of the exact result's sign is accepted there
     overflows: Callable | None = None
+    # The judging's first stage: (args, work=) -> (mid, rad) enclosing the oracle's result
+    # (spec.enclosures), None where the oracle judges every element.
+    enclosure: Callable | None = None
+    # (op, args, mask over the output) -> (sub-args, index): the least part of the sampler's kind that
+    # holds the masked elements, for the oracle to judge what the first stage could not.
+    restrict: Callable | None = None
 
 
 def _entry(name, scale, sample, quantities=None, tier2=None, overflows=None):
+    restrict = {matrix: restrict_matrix, attention: restrict_attention, decode: restrict_decode,
+                embed: restrict_embed, whole: None}.get(sample, restrict_rows)
     return OpEntry(name, getattr(spec, name), scale, sample, quantities or (lambda args: {}), tier2,
-                   plain.arrangements if tier2 is not None else None, overflows)
+                   plain.arrangements if tier2 is not None else None, overflows,
+                   enclosures.ENCLOSURES.get(name), restrict)
 
 
 _elementwise = rows(lambda args: JUDGE * (_last(args) if np.ndim(args[-1]) else 1))

@@ -26,6 +26,7 @@ def check(request, backend, adapter, dtype, op, case):
         raise ContractViolation(f"{e}\n  rerun: {command}") from None
     error, allowed = verdict.worst
     record.timed(verdict.seconds)
+    record.judged(verdict.checked, verdict.by_oracle)
     worst = record.add(error, allowed, case, command, verdict.informative)
     if currently_in_test_context():  # a drawn example, not an edge case or a --case rerun
         target(error / allowed, label="error / budget")  # search towards the budget's edge

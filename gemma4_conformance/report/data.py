@@ -106,6 +106,8 @@ means "not measured" (an op with no examples has no error statistics).
                     examples: "backend" (the adapter's call, less its transfers), "transfer" (moving
                     arrays to and from its device, for adapters that count it: torch and jax on a
                     GPU) and "oracle" (the exact result, its scale and the comparison)
+    oracle_share    number or null: the share of the output elements judged whose verdict the first
+                    stage's enclosures (spec/enclosures.py) left to the oracle
 
 ``forward[i]`` (sorted by backend, then dtype)::
 
@@ -351,6 +353,7 @@ def result_entry(record, excused: dict | None = None) -> dict:
         "histogram": _histogram(record.fractions),
         "deviation": deviation,
         "seconds": {part: round(value, 6) for part, value in record.seconds.items()},
+        "oracle_share": encode(record.by_oracle / record.checked) if record.checked else None,
     }
 
 

@@ -6,6 +6,7 @@ working precision, to be rounded once to a target format with ``round_to``.
 from .attention import causal_gqa, decode_gqa, sigmoid_gate, sliding_gqa, softmax
 from .basic import gelu_tanh, sigmoid, silu, softcap
 from .contract import CONTRACT, OP_NAMES
+from . import enclosures
 from .exact import DEFAULT_PRECISION, exact, get_precision, precision
 from .formats import FORMATS, fmt, round_to, scale_ulp, ulp, ulp_distance
 from .linear import embed, gate_up, gelu_mul, linear, lm_head, residual, silu_mul

@@ -258,12 +258,19 @@ def _widths(K: int, a: _Grid, b: _Grid, pair_cost: float) -> tuple[int, int]:
 def _sums(A: list[_Grid], B: list[_Grid], K: int, product: Callable, outputs: int) -> tuple[np.ndarray, int]:
     """The sum over pairs of grids and their pairs of bands of product(band_a, band_b), each shifted
     into place, exactly: Python integers, and the exponent of their unit."""
+    digits, unit = _sum_digits(A, B, K, product, outputs)
+    total, exponent = digits.integers()
+    return total, unit + exponent
+
+
+def _sum_digits(A: list[_Grid], B: list[_Grid], K: int, product: Callable, outputs: int) -> tuple[_Digits, int]:
+    """``_sums`` as base-2^32 digits, and the exponent of their unit."""
+    digits = _Digits(outputs)
     if not A or not B:  # an operand of zeros
-        return np.zeros(outputs, dtype=object), 0
+        return digits, 0
     unit = min(a.low for a in A) + min(b.low for b in B)
     partial: dict[int, np.ndarray] = {}  # products at one shift add exactly in int64: each is below 2^53
     count: Counter = Counter()
-    digits = _Digits(outputs)
     for a in A:
         for b in B:
             w_a, w_b = _widths(K, a, b, pair_cost=outputs * K / 4)
@@ -278,8 +285,7 @@ def _sums(A: list[_Grid], B: list[_Grid], K: int, product: Callable, outputs: in
                     count[shift] += 1
     for shift, part in partial.items():
         digits.add(part, shift)
-    total, exponent = digits.integers()
-    return total, unit + exponent
+    return digits, unit
 
 
 class _Digits:
@@ -308,10 +314,9 @@ class _Digits:
             self._put(k, piece & self.MASK)
             self._put(k + 1, piece >> self.BITS)
 
-    def integers(self) -> tuple[np.ndarray, int]:
-        """The sums as Python integers (an object array) times 2^exponent, and the exponent."""
-        if not self.digits:
-            return np.zeros(self.outputs, dtype=object), 0
+    def _carried(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """Digits in [0, 2^32) (uint32 [outputs, n], lowest first) of the sums plus 2^(32 n) where a sum
+        is negative, that mask, and the lowest digit's index."""
         low, high = min(self.digits), max(self.digits)
         n = high - low + 2  # a digit more for the last carry
         out = np.empty((self.outputs, n), dtype=np.uint32)
@@ -321,14 +326,61 @@ class _Digits:
             carry = d >> self.BITS
             out[:, i] = d & self.MASK
         # The carry out of the top is the sign: -1 where the digits hold 2^(32 n) plus a negative sum.
+        return out, carry < 0, low
+
+    def integers(self) -> tuple[np.ndarray, int]:
+        """The sums as Python integers (an object array) times 2^exponent, and the exponent."""
+        if not self.digits:
+            return np.zeros(self.outputs, dtype=object), 0
+        out, negative, low = self._carried()
+        n = out.shape[1]
         raw = memoryview(out.tobytes())
         size = 4 * n
-        negative = (carry < 0).tolist()
         offset = 1 << (self.BITS * n)
         result = np.empty(self.outputs, dtype=object)
         result[:] = [v - offset if neg else v for v, neg in
-                     zip((int.from_bytes(raw[i * size:(i + 1) * size], "little") for i in range(self.outputs)), negative)]
+                     zip((int.from_bytes(raw[i * size:(i + 1) * size], "little") for i in range(self.outputs)),
+                         negative.tolist())]
         return result, self.BITS * low
+
+    WINDOW = 4  # digits read below a sum's top digit: 128 bits, past any working format's precision
+
+    def floats(self, exponent: int, work) -> tuple[np.ndarray, np.ndarray]:
+        """The sums times 2^exponent in the floating type ``work`` as (mid, rad) with |sum - mid| <= rad,
+        without a Python object per sum: each magnitude's top WINDOW digits, added in ``work`` (two
+        roundings past the first, each u relative), and the bits below them (under 2^-96 of it).  rad is
+        0 for a sum that is 0, and inf where ``work``'s range cannot hold the sum."""
+        mid = np.zeros(self.outputs, dtype=work)
+        if not self.digits:
+            return mid, np.zeros_like(mid)
+        out, negative, low = self._carried()
+        digits = out.astype(np.int64)
+        # magnitudes: a negative sum's digits are 2^(32 n) - |sum|, so |sum| = (MASK - digits) + 1
+        complement = self.MASK - digits[negative]
+        carry = np.ones(len(complement), dtype=np.int64)
+        for i in range(digits.shape[1]):
+            complement[:, i] += carry
+            carry = complement[:, i] >> self.BITS
+            complement[:, i] &= self.MASK
+        digits[negative] = complement
+        nonzero = digits != 0
+        n = digits.shape[1]
+        top = n - 1 - np.argmax(nonzero[:, ::-1], axis=1)  # index of each sum's top digit
+        rows = np.arange(self.outputs)
+        value = np.zeros(self.outputs, dtype=work)
+        for j in range(self.WINDOW):
+            i = top - j
+            value = value * work(2.0 ** self.BITS) + np.where(i >= 0, digits[rows, np.maximum(i, 0)], 0).astype(work)
+        below = (np.cumsum(nonzero, axis=1) > 0)[rows, np.maximum(top - self.WINDOW, 0)] & (top >= self.WINDOW)
+        zero = ~nonzero.any(axis=1)
+        with np.errstate(over="ignore", under="ignore"):
+            mid = np.ldexp(value, (self.BITS * (low + top - self.WINDOW + 1) + exponent).astype(np.int32))
+        mid = np.where(negative, -mid, mid)
+        u = np.finfo(work).eps / 2
+        rad = np.abs(mid) * work(3 * u * (1 + 4 * u)) + np.where(below, np.abs(mid) * work(2.0 ** -95), 0)
+        representable = np.isfinite(mid) & (np.abs(mid) >= np.finfo(work).smallest_normal)
+        rad = np.where(zero, 0, np.where(representable, rad, np.inf)).astype(work)
+        return np.where(zero, 0, mid).astype(work), rad
 
 
 @functools.cache
@@ -446,3 +498,42 @@ def sums_of_squares(x: np.ndarray) -> np.ndarray:
     with _one_blas_thread():
         total, unit = _sums(X, X, K, lambda u, v: np.einsum("rk,rk->r", u, v), rows.shape[0])
     return _from_integers(total, unit, True).reshape(x.shape[:-1])
+
+
+# The same exact sums as enclosures in a floating type (spec.enclosures, the judging's first stage) --------
+
+def dots_enclosure(a: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
+    """``sum_k a[..., k] * b[n, k]`` for floating ``a [..., K]`` and ``b [N, K]`` as (mid, rad) in the
+    floating type ``work`` (``_Digits.floats``): the exact integer sums of ``dots``, never a Python
+    object per sum.  rad is inf where an operand is not finite."""
+    K, N = a.shape[-1], b.shape[0]
+    rows = a.reshape(math.prod(a.shape[:-1]), K)
+    mid = np.zeros((rows.shape[0], N), dtype=work)
+    rad = np.full((rows.shape[0], N), np.inf, dtype=work)
+    A = _grids(rows)
+    step = max(1, _CHUNK // max(K, 1))
+    with _one_blas_thread():
+        for start in range(0, N, step):
+            block = b[start:start + step]
+            B = _grids(block) if A is not None else None
+            if B is None:
+                continue
+            digits, unit = _sum_digits(A, B, K, lambda x, y: x @ y.T, rows.shape[0] * block.shape[0])
+            m, r = digits.floats(unit, work)
+            mid[:, start:start + step] = m.reshape(rows.shape[0], -1)
+            rad[:, start:start + step] = r.reshape(rows.shape[0], -1)
+    shape = a.shape[:-1] + (N,)
+    return mid.reshape(shape), rad.reshape(shape)
+
+
+def sums_of_squares_enclosure(x: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
+    """``sum_k x[..., k]^2`` for a floating ``x`` as (mid, rad) in ``work``, as ``dots_enclosure``."""
+    K = x.shape[-1]
+    rows = x.reshape(math.prod(x.shape[:-1]), K)
+    X = _grids(rows)
+    if X is None:
+        return np.zeros(x.shape[:-1], dtype=work), np.full(x.shape[:-1], np.inf, dtype=work)
+    with _one_blas_thread():
+        digits, unit = _sum_digits(X, X, K, lambda u, v: np.einsum("rk,rk->r", u, v), rows.shape[0])
+    mid, rad = digits.floats(unit, work)
+    return mid.reshape(x.shape[:-1]), rad.reshape(x.shape[:-1])

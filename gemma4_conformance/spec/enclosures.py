@@ -1,0 +1,402 @@
+"""Enclosures: each op's exact result as ``mid ± rad`` on whole arrays, in a fast floating format.
+
+The judging's first stage (Ziv's strategy, as in CRlibm and CORE-MATH): the oracles stay the
+definition, and an element goes to them only where an enclosure cannot decide its verdict
+(``properties/harness.py``).  One function per oracle, with its name and argument order, each
+returning ``(mid, rad)`` with ``|exact - mid| <= rad`` elementwise.  rad is inf where this stage does
+not bound the result (a non-finite input, an intermediate out of the format's range), and 0 only
+where the result is exactly ``mid`` (masked entries, zero sums).  An op without a function here
+(``inv_freq``: a handful of elements) is always judged by its oracle.
+
+The format ``work`` is float64 for the targets of at most 24 bits and ``np.longdouble`` for float64
+(the 80-bit format on x86, 11 bits past float64; where longdouble is float64 the radii come out
+about one float64 ULP and the oracle decides more).  Each bound is derived beside its function in
+units of ``u``, ``work``'s unit roundoff (every + - * / and sqrt rounds once, relative error <= u),
+and ``ELEMENTARY``, the relative error allowed to one call of exp, tanh, sin, cos or pow.  First-order
+terms are summed and the total is multiplied by ``MARGIN`` for the second-order ones.  Results that
+may underflow carry ``ABSOLUTE`` (a multiple of the smallest normal number) times their factors.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+
+from .exact import dots_enclosure, sums_of_squares_enclosure
+
+
+class NotEnclosed(Exception):
+    """This stage does not take these arguments (a real that is not a float, a zero divisor): the
+    oracle judges the whole example."""
+
+
+def work_type(precision: int):
+    """The floating type of the enclosures for a target of ``precision`` significand bits."""
+    return np.float64 if precision <= 24 else np.longdouble
+
+
+# Relative error of one elementary function call, in units of u: numpy's float64 exp, tanh, sin, cos
+# and pow, and glibc's long double ones, err by at most 1 to 3 ULPs (2u to 6u) on their documented and
+# measured worst cases (tests/test_enclosures.py measures them against mpmath); twice that is allowed.
+ELEMENTARY = 12
+MARGIN = 1 + 2.0**-20
+
+
+class _Work:
+    """The floating type in use and its constants."""
+
+    def __init__(self, work):
+        self.type = work
+        info = np.finfo(work)
+        self.u = work(info.eps) / 2
+        self.tiny = work(info.smallest_normal)
+        self.elementary = ELEMENTARY * self.u
+
+    def array(self, x) -> np.ndarray:
+        """A floating array in ``work``, exactly (every format under test widens exactly to float64)."""
+        return np.asarray(x).astype(np.float64).astype(self.type)
+
+    def real(self, r):
+        """A real argument (eps, theta, scale, ...) in ``work``, exactly, or NotEnclosed."""
+        if isinstance(r, bool) or not isinstance(r, (float, int, np.floating, np.integer)):
+            raise NotEnclosed(f"a real argument of type {type(r).__name__}")
+        try:
+            value = self.type(r)
+        except OverflowError:
+            raise NotEnclosed(f"the real {r!r} is out of {self.type.__name__}'s range") from None
+        if not np.isfinite(value) or Fraction(float(value)) != Fraction(r):
+            raise NotEnclosed(f"the real {r!r} is not exact in {self.type.__name__}")
+        return value
+
+    def rad(self, mid, relative, absolute=0.0) -> np.ndarray:
+        """relative * |mid| + absolute, with the margin, inf where mid is not finite."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = (relative * np.abs(mid) + absolute) * self.type(MARGIN)
+        return np.where(np.isfinite(mid), r, np.inf).astype(self.type)
+
+
+def _sigmoid(w: _Work, x):
+    """1 / (1 + exp(-x)) and its relative error: exp errs by E, 1 + e passes on at most e/(1 + e) <= 1
+    of it and rounds (u), the quotient rounds (u).  Where exp(-x) overflows the result is 0 within
+    1 / max <= tiny; where it underflows, 1 + e is off by at most tiny."""
+    with np.errstate(over="ignore"):
+        y = 1 / (1 + np.exp(-x))
+    return y, w.elementary + 2 * w.u
+
+
+def sigmoid(x, *, work):
+    w = _Work(work)
+    y, rel = _sigmoid(w, w.array(x))
+    return y, w.rad(y, rel, 2 * w.tiny)
+
+
+def silu(x, *, work):
+    """x sigmoid(x): one more rounding; sigmoid's absolute part scaled by |x|."""
+    w = _Work(work)
+    x = w.array(x)
+    s, rel = _sigmoid(w, x)
+    y = x * s
+    return y, w.rad(y, rel + w.u, 2 * w.tiny * (1 + np.abs(x)))
+
+
+# sqrt(2/pi) and 0.044715 in float64 and in long double, each rounded once from the real constant.
+_GELU_K = {np.float64: np.float64(math.sqrt(2 / math.pi)),
+           np.longdouble: np.sqrt(np.longdouble(2) / np.longdouble("3.14159265358979323846264338327950288"))}
+_GELU_A = {np.float64: np.float64(0.044715), np.longdouble: np.longdouble("0.044715")}
+
+
+def _gelu(w: _Work, x):
+    """x / (1 + exp(t)), t = -2 k (x + a x^3), as the oracle evaluates it.  x + a x^3 adds terms of one
+    sign: x^2, x^3, a x^3 (a rounded: 4u) and the sum (5u); k rounded and the products (7u) make t's
+    relative error, which exp turns into |t| 7u relative, plus its own E, of which 1 + e keeps the
+    part e / (1 + e); 1 + e and the quotient round (2u).  Where exp overflows, the result is 0 within |x| / max."""
+    k, a = _GELU_K[w.type], _GELU_A[w.type]
+    with np.errstate(over="ignore", invalid="ignore"):
+        t = -2 * k * (x + a * (x * x * x))
+        e = np.exp(t)
+        y = x / (1 + e)
+        passed = np.where(np.isfinite(e), e / (1 + e), 1)  # of e's relative error, into 1 + e
+        rel = 2 * w.u + passed * (w.elementary + 7 * w.u * np.where(np.isfinite(t), np.abs(t), 0))
+    # |t| past the overflow threshold: the quotient is x / inf = +-0 and the exact result is below |x| tiny
+    return y, rel, 2 * w.tiny * (1 + np.abs(x))
+
+
+def gelu_tanh(x, *, work):
+    w = _Work(work)
+    y, rel, absolute = _gelu(w, w.array(x))
+    return y, w.rad(y, rel, absolute)
+
+
+def softcap(c, x, *, work):
+    """c tanh(x / c): x / c rounds (u), tanh's condition |q tanh'(q) / tanh(q)| is at most 1, tanh errs
+    by E, the product rounds (u).  x / c may underflow: |c| tiny."""
+    w = _Work(work)
+    c = w.real(c)
+    if c == 0:
+        raise NotEnclosed("softcap with c = 0")
+    y = c * np.tanh(w.array(x) / c)
+    return y, w.rad(y, w.elementary + 3 * w.u, 2 * w.tiny * (1 + abs(c)))
+
+
+def _mean_square_root(w: _Work, eps, x, mean: bool):
+    """sqrt(sum_j x_j^2 / H + eps) (or without / H) and its relative error: the exact sum's (s), / H
+    and + eps round (2u, the terms are >= 0), sqrt halves what it is given and rounds (u)."""
+    eps = w.real(eps)
+    if eps < 0:
+        raise NotEnclosed("a negative eps")
+    squares, rad = sums_of_squares_enclosure(x, w.type)
+    H = x.shape[-1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        s = np.where(squares > 0, rad / squares, np.where(rad > 0, np.inf, 0))
+        total = (squares / H if mean else squares) + eps
+        rel = (s + 2 * w.u) / 2 + w.u
+    if np.any(total == 0):
+        raise NotEnclosed("a zero norm (Lean's x / 0 = 0, the oracle's definition)")
+    return np.sqrt(total), rel
+
+
+def rms(eps, x, *, work):
+    w = _Work(work)
+    y, rel = _mean_square_root(w, eps, x, True)
+    return y, w.rad(y, rel)
+
+
+def _normalised(w: _Work, eps, x, mean=True):
+    """x / rms and its relative error (one more rounding)."""
+    r, rel = _mean_square_root(w, eps, x, mean)
+    return w.array(x) / r[..., None], rel[..., None] + w.u
+
+
+def rmsnorm(eps, x, w_, *, work):
+    w = _Work(work)
+    n, rel = _normalised(w, eps, x)
+    y = n * w.array(w_)
+    return y, w.rad(y, rel + w.u)
+
+
+def rmsnorm_offset(eps, x, w_, *, work):
+    """(1 + w) rounds once (u, relative to itself whatever the cancellation), the product (u)."""
+    w = _Work(work)
+    n, rel = _normalised(w, eps, x)
+    y = n * (1 + w.array(w_))
+    return y, w.rad(y, rel + 2 * w.u)
+
+
+def rmsnorm_unit(eps, x, *, work):
+    w = _Work(work)
+    y, rel = _normalised(w, eps, x)
+    return y, w.rad(y, rel)
+
+
+def rmsnorm_gated(eps, x, z, w_, *, work):
+    """w (x / rms) silu(z): silu's relative error and absolute part, two more roundings."""
+    w = _Work(work)
+    n, rel = _normalised(w, eps, x)
+    z = w.array(z)
+    s, rel_s = _sigmoid(w, z)
+    weighted = w.array(w_) * n
+    y = weighted * (z * s)
+    return y, w.rad(y, rel + rel_s + 3 * w.u, 2 * w.tiny * np.abs(weighted) * (1 + np.abs(z)))
+
+
+def l2norm(eps, x, *, work):
+    w = _Work(work)
+    y, rel = _normalised(w, eps, x, mean=False)
+    return y, w.rad(y, rel)
+
+
+def rope(theta, rot, denom, active, pos, x, *, work):
+    """Rotate-half RoPE.  The inverse frequency theta^(-2i/denom): the exponent rounds (u), which moves
+    the power by |exponent ln theta| u, and pow errs by E; the angle a = pos w rounds (u).  cos and sin
+    of the rounded angle are off by at most |a| times its relative error (their slopes are <= 1) plus
+    E; each of the two products and the difference rounds: the bound is absolute, scaled by |x_d| +
+    |x_p| and the products' magnitudes, since the difference may cancel."""
+    w = _Work(work)
+    theta = w.real(theta)
+    if theta <= 0 or denom == 0:
+        raise NotEnclosed("theta <= 0 or denom = 0")
+    x = w.array(x)
+    D = x.shape[-1]
+    half = rot // 2
+    positions = np.asarray(pos).astype(w.type)
+    y = x.copy()
+    rad = np.zeros_like(x)
+    log_theta = abs(float(np.log(theta)))
+    for i in range(min(half, D)):
+        j = i + half
+        if i < active:
+            exponent = -(2 * w.type(i) / w.type(denom))
+            freq = np.power(theta, exponent)
+            rel_freq = w.elementary + w.u + abs(float(exponent)) * log_theta * w.u * 2
+        else:
+            freq, rel_freq = w.type(0), 0.0
+        angle = positions * freq
+        error = np.abs(angle) * (rel_freq + w.u) + w.elementary  # of cos and of sin
+        cos, sin = np.cos(angle), np.sin(angle)
+        xi = x[..., i]
+        xj = x[..., j] if j < D else np.zeros_like(xi)
+        y[..., i] = xi * cos - xj * sin
+        rad[..., i] = (np.abs(xi) + np.abs(xj)) * error + 2 * w.u * (np.abs(xi * cos) + np.abs(xj * sin)) \
+            + w.u * np.abs(y[..., i]) + 4 * w.tiny
+        if j < D:
+            y[..., j] = x[..., j] * cos + xi * sin
+            rad[..., j] = (np.abs(xi) + np.abs(xj)) * error + 2 * w.u * (np.abs(xj * cos) + np.abs(xi * sin)) \
+                + w.u * np.abs(y[..., j]) + 4 * w.tiny
+    return y, w.rad(y, 0.0, rad)
+
+
+def rope_std(theta, rot, pos, x, *, work):
+    return rope(theta, rot, rot, rot // 2, pos, x, work=work)
+
+
+def linear(W, x, *, work):
+    """The exact sums (``spec.exact.dots_enclosure``)."""
+    return dots_enclosure(np.asarray(x), np.asarray(W), work)
+
+
+def gate_up(Wg, Wu, x, *, work):
+    (g, rg), (u, ru) = linear(Wg, x, work=work), linear(Wu, x, work=work)
+    return np.concatenate([g, u], axis=-1), np.concatenate([rg, ru], axis=-1)
+
+
+def _halves(gu):
+    I = gu.shape[-1] // 2
+    return gu[..., :I], gu[..., I:]
+
+
+def silu_mul(gu, *, work):
+    """silu(gate) up: silu's bound and one more rounding."""
+    w = _Work(work)
+    gate, up = _halves(w.array(gu))
+    s, rel = _sigmoid(w, gate)
+    y = gate * s * up
+    return y, w.rad(y, rel + 2 * w.u, 2 * w.tiny * (1 + np.abs(gate)) * np.abs(up))
+
+
+def gelu_mul(gu, *, work):
+    w = _Work(work)
+    gate, up = _halves(w.array(gu))
+    g, rel, absolute = _gelu(w, gate)
+    y = g * up
+    return y, w.rad(y, rel + w.u, absolute * np.abs(up))
+
+
+def residual(r, x, h, *, work):
+    """x + r h: the product and the sum round (the sum's error relative to the result; the product's
+    to |r h|, since the sum may cancel it)."""
+    w = _Work(work)
+    r = w.real(r)
+    product = r * w.array(h)
+    y = w.array(x) + product
+    return y, w.rad(y, w.u, w.u * np.abs(product) * 2 + 2 * w.tiny)
+
+
+def embed(c, E, tokens, *, work):
+    w = _Work(work)
+    y = w.real(c) * w.array(np.asarray(E)[np.asarray(tokens)])
+    return y, w.rad(y, w.u, 2 * w.tiny)
+
+
+def lm_head(mul, cap, W, x, *, work):
+    """mul times the exact sum (u), then softcap as ``softcap``, whose argument's relative error tanh
+    passes on at most once."""
+    w = _Work(work)
+    mul = w.real(mul)
+    logit, rad = linear(W, x, work=work)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.where(logit != 0, rad / np.abs(logit), np.where(rad > 0, np.inf, 0))
+    y = mul * logit
+    rel = rel + w.u
+    if cap is not None:
+        cap = w.real(cap)
+        if cap == 0:
+            raise NotEnclosed("lm_head with cap = 0")
+        y = cap * np.tanh(y / cap)
+        rel = rel + w.elementary + 3 * w.u
+    return y, w.rad(y, rel, 2 * w.tiny * (1 + abs(mul)) * (2 + (abs(cap) if cap is not None else 0)))
+
+
+def _softmax(w: _Work, s, s_rad, visible):
+    """Weights p and their relative errors per row: z = s - max rounds (u |z|) and carries the logits'
+    own radii; exp turns z's absolute error into a relative one and errs by E; the sum of L
+    nonnegative terms errs by (L - 1) u plus its terms' largest relative error; the quotient rounds.
+    Underflowed terms are off by at most tiny (the sum is >= 1)."""
+    masked = np.where(visible, s, -np.inf)
+    top_index = np.argmax(masked, axis=-1)[..., None]
+    top = np.take_along_axis(masked, top_index, axis=-1)
+    top_rad = np.take_along_axis(np.broadcast_to(s_rad, s.shape), top_index, axis=-1)
+    top = np.where(np.isfinite(top), top, 0)
+    z = np.where(visible, s - top, 0)
+    e = np.where(visible, np.exp(z), 0)
+    total = e.sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.where(visible, e / np.where(total > 0, total, 1), 0)
+        shift_error = np.where(visible, s_rad + top_rad + w.u * np.abs(z), 0)
+        rel_e = np.expm1(np.minimum(shift_error, 700)) + w.elementary  # e^d - 1 bounds a shift off by d
+        L = visible.sum(axis=-1, keepdims=True)
+        rel_total = np.max(np.where(visible, rel_e, 0), axis=-1, keepdims=True) + (L - 1) * w.u
+        rel = np.where(visible, rel_e + rel_total + w.u, 0)
+    return p, rel
+
+
+def softmax(s, visible, *, work):
+    w = _Work(work)
+    s = w.array(s)
+    visible = np.broadcast_to(np.asarray(visible, dtype=bool), s.shape)
+    p, rel = _softmax(w, s, 0, visible)
+    return p, np.where(visible, w.rad(p, rel, 2 * w.tiny), 0).astype(w.type)
+
+
+def _gqa(scale, visible, q, k, v, work):
+    """Softmax of the exact logits (``dots_enclosure`` times scale, one more rounding) and the weighted
+    sum of values in ``work`` by matrix products: its error is at most L u sum_l p_l |v_l| in any order
+    (gamma_L), plus each weight's relative error times p_l |v_l|."""
+    w = _Work(work)
+    scale = w.real(scale)
+    qw, vw = w.array(q), w.array(v)
+    out = np.empty(q.shape, dtype=w.type)
+    rad = np.empty(q.shape, dtype=w.type)
+    L = k.shape[0]
+    mask = visible[:, None, :]
+    for c in range(q.shape[1]):
+        dot, dot_rad = dots_enclosure(q[:, c], k[:, c], w.type)  # [S, G, L]
+        logits = scale * dot
+        logits_rad = abs(scale) * dot_rad + w.u * np.abs(logits)
+        p, rel = _softmax(w, logits, logits_rad, mask)
+        values = vw[:, c]
+        out[:, c] = p @ values
+        weight_error = (rel * p) @ np.abs(values)
+        magnitude = p @ np.abs(values)
+        rad[:, c] = weight_error + (L + 2) * w.u * magnitude + 2 * w.tiny * (1 + np.abs(values).sum(axis=0))
+    return out, w.rad(out, 0.0, rad)
+
+
+def causal_gqa(scale, pos, q, k, v, *, work):
+    keys = np.arange(k.shape[0])[None, :]
+    return _gqa(scale, keys <= np.asarray(pos)[:, None], q, k, v, work)
+
+
+def sliding_gqa(scale, window, pos, q, k, v, *, work):
+    keys, p = np.arange(k.shape[0])[None, :], np.asarray(pos)[:, None]
+    return _gqa(scale, (keys <= p) & (p < keys + window), q, k, v, work)
+
+
+def decode_gqa(scale, q, k, v, *, work):
+    y, rad = _gqa(scale, np.ones((1, k.shape[0]), dtype=bool), q[None], k, v, work)
+    return y[0], rad[0]
+
+
+def sigmoid_gate(o, gate, *, work):
+    w = _Work(work)
+    o = w.array(o)
+    s, rel = _sigmoid(w, w.array(gate))
+    y = o * s
+    return y, w.rad(y, rel + w.u, 2 * w.tiny * (1 + np.abs(o)))
+
+
+ENCLOSURES = {fn.__name__: fn for fn in (
+    sigmoid, silu, gelu_tanh, softcap, rms, rmsnorm, rmsnorm_offset, rmsnorm_unit, rmsnorm_gated, l2norm,
+    rope, rope_std, linear, gate_up, silu_mul, gelu_mul, residual, embed, lm_head, softmax, causal_gqa,
+    sliding_gqa, decode_gqa, sigmoid_gate)}
