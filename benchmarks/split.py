@@ -114,6 +114,17 @@ def _rope(n, dtype, rng):
     return (1e4, 256, 256, 128, pos, _values(rng, (n, 256), dtype)), n * 256
 
 
+def _elementwise(op):
+    """An elementwise op on n rows of 4096: its unit is an output element."""
+    def make(n, dtype, rng):
+        x, y = _values(rng, (n, 4096), dtype, 4.0), _values(rng, (n, 4096), dtype)
+        args = {"sigmoid": (x,), "silu": (x,), "gelu_tanh": (x,), "softcap": (30.0, x), "silu_mul": (x,),
+                "gelu_mul": (x,), "residual": (0.5, x, y), "sigmoid_gate": (x, y),
+                "embed": (2.0, x, rng.integers(0, n, n))}[op]
+        return args, n * (2048 if op.endswith("_mul") else 4096)
+    return make
+
+
 # (label, op, make, unit, sizes): sizes grow to the real model's (K = 3840 and 15360, N up to 15360, a
 # vocabulary chunk of 16384, 4096 keys at D = 256 with G = 2 and at D = 512 with G = 16).
 def _doublings(top):
@@ -134,6 +145,43 @@ THROUGHPUT = [
       for op in ("rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm")),
     ("rope D=256", "rope", _rope, "coordinates", _doublings(4096)),
 ]
+ELEMENTWISE = [(f"{op} 4096", op, _elementwise(op), "outputs", _doublings(4096))
+               for op in ("sigmoid", "silu", "gelu_tanh", "softcap", "silu_mul", "gelu_mul", "residual", "embed",
+                          "sigmoid_gate")]
+
+
+def judging_throughput(dtypes: list[str], min_seconds: float, max_work: float) -> list[dict]:
+    """Oracle plus judging (harness.assess: the first stage, and the oracle where it cannot decide) of
+    the numpy backend's output, per op and dtype, grown as ``oracle_throughput``; rates in output
+    elements per CPU second, and in the op's own unit."""
+    from gemma4_conformance import adapters
+    from gemma4_conformance.properties.harness import assess, call
+
+    numpy_backend = adapters.load("numpy")
+    rows = []
+    for dtype in dtypes:
+        print(f"  {dtype}")
+        for label, op, make, unit, sizes in THROUGHPUT + ELEMENTWISE:
+            rng = np.random.default_rng(0)
+            for n in sizes:
+                args, work = make(n, dtype, rng)
+                if work > max_work and n != sizes[0]:
+                    break
+                out = call(numpy_backend, op, args, dtype)
+                start = time.process_time()
+                verdict = assess(op, args, out, dtype, work=10**12)
+                seconds = max(time.process_time() - start, 1e-9)
+                row = {"label": label, "op": op, "dtype": dtype, "size": n, "work": work, "unit": unit,
+                       "seconds": seconds, "rate": work / seconds, "outputs": out.size,
+                       "elements_rate": out.size / seconds,
+                       "by_oracle": getattr(verdict, "by_oracle", verdict.checked) / max(verdict.checked, 1)}
+                if seconds >= min_seconds:
+                    break
+            rows.append(row)
+            print(f"    {label:<24} {row['elements_rate']:>10.3g} outputs/s {row['rate']:>10.3g} {unit}/s   "
+                  f"oracle's share {row['by_oracle']:.2%}   ({row['outputs']} outputs in {row['seconds']:.3g} s)",
+                  flush=True)
+    return rows
 
 
 def oracle_throughput(dtype: str, min_seconds: float, max_work: float) -> list[dict]:
@@ -219,9 +267,9 @@ class Profiler:
         self.clock = Clock()
         self.item = None
         # (backend, dtype, op) -> examples, checked output elements, output elements
-        self.coverage = defaultdict(lambda: {"examples": 0, "checked": 0, "outputs": 0})
-        self.certified = {"calls": 0, "checked": 0, "outputs": 0}
-        self.traced = {"calls": 0, "checked": 0, "outputs": 0}
+        self.coverage = defaultdict(lambda: {"examples": 0, "checked": 0, "outputs": 0, "by_oracle": 0})
+        self.certified = {"calls": 0, "checked": 0, "outputs": 0, "by_oracle": 0}
+        self.traced = {"calls": 0, "checked": 0, "outputs": 0, "by_oracle": 0}
         self.counting = None  # the record the running assessment's oracle calls count for
 
     # the current test
@@ -285,7 +333,7 @@ class Profiler:
             with self.clock.on("oracle" if self._kind() == "agreement" else BASE[self._kind()]):
                 out = fn(*args)
             if self.counting is not None:
-                self.counting["checked"] += int(np.size(out))
+                self.counting["by_oracle"] += int(np.size(out))
             return out
         return oracle
 
@@ -311,7 +359,9 @@ class Profiler:
             previous, self.counting = self.counting, record
             try:
                 with self.clock.on("judge") if kind == "agreement" and not certification else contextlib.nullcontext():
-                    return fn(op, args, out, dtype, *rest, **kwargs)
+                    verdict = fn(op, args, out, dtype, *rest, **kwargs)
+                record["checked"] += verdict.checked
+                return verdict
             finally:
                 self.counting = previous
         return assess
@@ -354,22 +404,21 @@ def print_split(result: dict) -> None:
         print(f"  {CATEGORY_TITLES[category]:<58} {s:>8.1f} s {s / result['wall']:>6.1%} {c:>8.1f} s "
               f"{c / max(result['cpu'], 1e-9):>6.1%}")
     totals = defaultdict(lambda: Counter())
-    print("\noutput elements the oracle checked, per backend and op (all dtypes):")
-    print(f"  {'backend':<8} {'op':<15} {'examples':>8} {'checked':>12} {'of outputs':>12} {'share':>7}")
+    print("\noutput elements checked, per backend and op (all dtypes), and the share the oracle itself judged:")
+    print(f"  {'backend':<8} {'op':<15} {'examples':>8} {'checked':>12} {'of outputs':>12} {'share':>7} {'oracle':>7}")
     per_op = defaultdict(Counter)
+    keys = ("examples", "checked", "outputs", "by_oracle")
     for row in result["coverage"]:
-        per_op[row["backend"], row["op"]].update({k: row[k] for k in ("examples", "checked", "outputs")})
-        totals[row["backend"]].update({k: row[k] for k in ("examples", "checked", "outputs")})
-    for (backend, op), c in sorted(per_op.items()):
+        per_op[row["backend"], row["op"]].update({k: row.get(k, 0) for k in keys})
+        totals[row["backend"]].update({k: row.get(k, 0) for k in keys})
+    for (backend, op), c in [*sorted(per_op.items()), *(((b, "all ops"), c) for b, c in sorted(totals.items()))]:
         print(f"  {backend:<8} {op:<15} {c['examples']:>8} {c['checked']:>12} {c['outputs']:>12} "
-              f"{c['checked'] / max(c['outputs'], 1):>7.1%}")
-    for backend, c in sorted(totals.items()):
-        print(f"  {backend:<8} {'all ops':<15} {c['examples']:>8} {c['checked']:>12} {c['outputs']:>12} "
-              f"{c['checked'] / max(c['outputs'], 1):>7.1%}")
+              f"{c['checked'] / max(c['outputs'], 1):>7.1%} {c['by_oracle'] / max(c['checked'], 1):>7.1%}")
     for label, c in (("forward certification", result["certified"]), ("trace", result.get("traced"))):
         if c:
             print(f"  {label}: {c['calls']} op calls, {c['checked']} of {c['outputs']} outputs checked "
-                  f"({c['checked'] / max(c['outputs'], 1):.1%})")
+                  f"({c['checked'] / max(c['outputs'], 1):.1%}), {c.get('by_oracle', 0) / max(c['checked'], 1):.1%} "
+                  f"of them by the oracle")
 
 
 # 3. Before and after ----------------------------------------------------------------------------------
@@ -417,6 +466,8 @@ def main(argv=None) -> int:
                                                                        "takes this long (default 1)")
     parser.add_argument("--max-work", type=float, default=float("inf"), help="and at most this much work")
     parser.add_argument("--oracles-only", action="store_true")
+    parser.add_argument("--judging-only", action="store_true", help="oracle plus judging per op and --dtype "
+                                                                     "(comma-separated), in output elements a second")
     parser.add_argument("--split-only", action="store_true")
     parser.add_argument("--json", help="write the measurements here (for --compare)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="print a before/after table")
@@ -430,6 +481,12 @@ def main(argv=None) -> int:
     machine = f"{platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at start"
     print(f"suite: {where}; {machine}")
     result = {"suite": str(where), "machine": machine, "dtype": args.dtype, "oracles": [], "jobs": []}
+    if args.judging_only:
+        print(f"\noracle plus judging ({args.dtype}; each grown until a call takes {args.min_seconds} CPU s)")
+        result["judging"] = judging_throughput(args.dtype.split(","), args.min_seconds, args.max_work)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return 0
     if not args.split_only:
         print(f"\noracle throughput ({args.dtype} inputs; each grown until a call takes {args.min_seconds} s)")
         result["oracles"] = oracle_throughput(args.dtype, args.min_seconds, args.max_work)

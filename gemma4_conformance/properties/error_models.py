@@ -287,19 +287,19 @@ def _attention(scale, visible, q, k, v, dtype):
     """
     p, z, magnitudes, mask = _logits(scale, visible, q, k)
     weight = np.where(mask, 1 + np.abs(z) + magnitudes, 0.0)
-    pv = np.einsum("scgl,lcd->scgd", p, np.abs(v))
-    pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v))
+    pv = np.einsum("scgl,lcd->scgd", p, np.abs(v), optimize=True)
+    pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v), optimize=True)
     d_max = fmt(dtype).eps * (3 + accumulation_ratio(dtype) * (tau(dtype) + q.shape[-1])) * np.max(weight, axis=-1)
     growth = np.exp(np.minimum(2 * d_max, 700))[..., None]
-    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + np.abs(v))[:, :, None, :]
+    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + np.abs(v), optimize=True)[:, :, None, :]
     first_order = pwv + pv * np.sum(p * weight, axis=-1)[..., None]
     return first_order * growth, np.broadcast_to(flush, pwv.shape)
 
 
 def _logits(scale, visible, q, k):
     """The exact logits' softmax p and shifted logits z [S, Hkv, G, L], |scale| sum_e |q_e k_le| and the mask."""
-    logits = scale * np.einsum("scge,lce->scgl", q, k)
-    magnitudes = abs(scale) * np.einsum("scge,lce->scgl", np.abs(q), np.abs(k))
+    logits = scale * np.einsum("scge,lce->scgl", q, k, optimize=True)
+    magnitudes = abs(scale) * np.einsum("scge,lce->scgl", np.abs(q), np.abs(k), optimize=True)
     mask = visible[:, None, None, :]
     p, z = _masked_softmax(logits, mask)
     return p, z, magnitudes, mask
@@ -320,11 +320,11 @@ def _attention_in_accumulation(scale, visible, q, k, v, dtype):
     """
     p, z, magnitudes, mask = _logits(scale, visible, q, k)
     weight = np.where(mask, (q.shape[-1] + 2) * magnitudes + np.abs(z) + tau(dtype) + 1, 0.0)
-    pv = np.einsum("scgl,lcd->scgd", p, np.abs(v))
-    pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v))
+    pv = np.einsum("scgl,lcd->scgd", p, np.abs(v), optimize=True)
+    pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v), optimize=True)
     L = k.shape[0]
     in_accumulation = pwv + pv * (np.sum(p * weight, axis=-1)[..., None] + L + 2)
-    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + np.abs(v))[:, :, None, :]
+    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + np.abs(v), optimize=True)[:, :, None, :]
     return pv, fmt(ACCUMULATION[dtype]).eps * in_accumulation + flush
 
 

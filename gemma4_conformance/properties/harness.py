@@ -226,19 +226,23 @@ def _enclosed(entry, args, dtype, got) -> _Stage | None:
         error_high = ((difference + rad) * work(1 + _SLACK)).astype(np.float64)
         error_low = (np.maximum(difference - rad, 0) * work(1 - _SLACK)).astype(np.float64)
         exact_rad = (rad + np.abs(mid - exact64.astype(work))).astype(np.float64) * (1 + _SLACK)
-        low, high = (mid - rad).astype(f.dtype), (mid + rad).astype(f.dtype)
 
     def rounded(mask):
-        decided = mask & (low.astype(np.float64) == high.astype(np.float64)) & np.isfinite(rad)
-        return np.where(decided, low.astype(np.float64), np.nan)
+        out = np.full(mask.shape, np.nan)
+        if mask.any():
+            with np.errstate(all="ignore"):
+                low, high = ((mid[mask] + sign * rad[mask]).astype(f.dtype).astype(np.float64) for sign in (-1, 1))
+            out[mask] = np.where((low == high) & np.isfinite(rad[mask]), low, np.nan)
+        return out
 
     return _Stage(exact64, np.where(np.isfinite(exact_rad), exact_rad, np.inf), error, error_low, error_high, rounded)
 
 
 def _by_oracle(entry, args, dtype, got) -> _Stage:
-    """The oracle's knowledge: exact, and its roundings correct (``correctly_rounded``)."""
+    """The oracle's knowledge: exact, and the correctly rounded results in the dtype (``correctly_rounded``).
+    The error models' float64 value is the working precision's rounded once more: they size a budget."""
     exact = np.asarray(entry.oracle(*args), dtype=object).reshape(got.shape)
-    exact, exact64 = correctly_rounded(entry.oracle, args, exact, "float64")
+    exact64 = round_to(exact, "float64")
     got64 = got.astype(np.float64)
     finite = np.isfinite(got64)
     error = np.where(finite, abs_error(np.where(finite, got64, 0.0), exact), 0.0)
@@ -357,10 +361,13 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
         return np.maximum(np.abs(answer - exact64) + sign * rad * (1 + _SLACK), 0.0)
 
     def tier1_admits(answer):
-        admits = bool(np.all(distance(answer, 0) <= tier1_allowance))
-        if uncertain and admits != bool(np.all(distance(answer, +1) <= tier1_allowance * (1 - _SLACK))) or \
-                uncertain and admits != bool(np.all(distance(answer, -1) <= tier1_allowance * (1 + _SLACK))):
-            whole[...] = True
+        apart = distance(answer, 0)
+        admits = bool(np.all(apart <= tier1_allowance))
+        if uncertain:  # the same answer at either end of the enclosure, or too close to call
+            surely = bool(np.all(apart + rad * (1 + _SLACK) <= tier1_allowance * (1 - _SLACK)))
+            surely_not = bool(np.any(apart - rad * (1 + _SLACK) > tier1_allowance * (1 + _SLACK)))
+            if not (surely if admits else surely_not):
+                whole[...] = True
         return admits
 
     tier2 = tier2_admits = None

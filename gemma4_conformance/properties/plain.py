@@ -50,14 +50,14 @@ def attention(scale, visible, q, k, v, dtype, scale_at: str, softmax_in: str) ->
     s = a.type(scale)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         if scale_at == "product":
-            logits = round_d(round_d(np.einsum("scge,lce->scgl", q, k)) * s)
+            logits = round_d(round_d(np.einsum("scge,lce->scgl", q, k, optimize=True)) * s)
         elif scale_at == "accumulated":
-            logits = round_d(np.einsum("scge,lce->scgl", q, k) * s)
+            logits = round_d(np.einsum("scge,lce->scgl", q, k, optimize=True) * s)
         elif scale_at == "query":
-            logits = round_d(np.einsum("scge,lce->scgl", round_d(q * s), k))
+            logits = round_d(np.einsum("scge,lce->scgl", round_d(q * s), k, optimize=True))
         else:
             root = np.sqrt(s)
-            logits = round_d(np.einsum("scge,lce->scgl", round_d(q * root), round_d(k * root)))
+            logits = round_d(np.einsum("scge,lce->scgl", round_d(q * root), round_d(k * root), optimize=True))
         mask = np.broadcast_to(visible[:, None, None, :], logits.shape)
         top = np.max(logits, axis=-1, keepdims=True, where=mask, initial=-np.inf)
         top = np.where(np.isfinite(top), top, 0)
@@ -67,7 +67,7 @@ def attention(scale, visible, q, k, v, dtype, scale_at: str, softmax_in: str) ->
             e = np.where(mask, np.exp(logits - top), 0)
         total = np.sum(e, axis=-1, keepdims=True)
         p = round_d(e / np.where(total > 0, total, 1))
-        out = round_d(np.einsum("scgl,lcd->scgd", p, v))
+        out = round_d(np.einsum("scgl,lcd->scgd", p, v, optimize=True))
     return out.astype(np.float64)
 
 

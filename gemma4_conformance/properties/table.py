@@ -34,7 +34,9 @@ JUDGE = 4  # per output element: the oracle's own arithmetic and judging it
 
 
 def _pick(rng, n: int, keep: int) -> np.ndarray:
-    return np.sort(rng.choice(n, size=min(n, max(1, keep)), replace=False))
+    if keep >= n:  # no draw: a permutation of a whole output costs more than judging it
+        return np.arange(n)
+    return np.sort(rng.choice(n, size=max(1, keep), replace=False))
 
 
 def rows(per_row: Callable[[tuple], float]):

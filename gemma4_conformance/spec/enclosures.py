@@ -355,7 +355,7 @@ def _gqa(scale, visible, q, k, v, work):
     (gamma_L), plus each weight's relative error times p_l |v_l|."""
     w = _Work(work)
     scale = w.real(scale)
-    qw, vw = w.array(q), w.array(v)
+    vw = w.array(v)
     out = np.empty(q.shape, dtype=w.type)
     rad = np.empty(q.shape, dtype=w.type)
     L = k.shape[0]

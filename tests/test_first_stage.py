@@ -1,0 +1,114 @@
+"""The judging's first stage gives the oracle's verdicts, and is not enough alone; the oracle's own
+roundings are correct (issue: the judge at the speed of float64)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import ml_dtypes
+import mpmath
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gemma4_conformance import adapters, spec
+from gemma4_conformance.spec import fmt, round_to
+from gemma4_conformance.properties.harness import assess, call, correctly_rounded, printed
+from gemma4_conformance.properties.strategies import build, cases, edge_cases
+from gemma4_conformance.properties.table import OPS
+
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def _outputs(op, args, dtype, out):
+    """The backend's output and outputs placed on and around the budget's edge and beyond it: the
+    correctly rounded result moved by whole ULPs, zeros and the sign flipped."""
+    exact = np.asarray(spec.ORACLES[op](*args), dtype=object).reshape(out.shape)
+    nearest = round_to(exact, dtype).astype(np.float64)
+    f = fmt(dtype)
+    spacing = np.where(nearest == 0, f.smallest_subnormal, np.spacing(np.abs(nearest).astype(f.dtype)).astype(float))
+    yield out
+    for k in (1, 2, 3, 5):
+        yield (nearest + k * spacing).astype(f.dtype)
+    yield np.zeros_like(out)
+    yield (-nearest).astype(f.dtype)
+
+
+def same_verdict(op, args, dtype, out):
+    fast, oracle = assess(op, args, out, dtype), assess(op, args, out, dtype, first_stage=False)
+    assert fast.passed == oracle.passed and fast.failures == oracle.failures, (op, dtype, fast.failures, oracle.failures)
+    assert fast.admitted == oracle.admitted, (op, dtype)
+    assert printed(fast.max_error) == printed(oracle.max_error) or fast.max_error * 0 != 0, \
+        (op, dtype, fast.max_error, oracle.max_error)
+    if oracle.tier2 is not None:
+        assert printed(fast.tier2.error) == printed(oracle.tier2.error), (op, dtype, fast.tier2, oracle.tier2)
+    return fast
+
+
+@pytest.mark.parametrize("op", sorted(spec.OP_NAMES))
+def test_first_stage_gives_the_oracles_verdicts(op):
+    """On the profile's edge cases and drawn examples, for numpy's output and outputs at whole ULPs
+    around the correctly rounded result (which straddle every small budget) and trivially wrong ones,
+    both paths give the same verdict, failure messages, informativeness and largest error as printed."""
+    adapter = adapters.load("numpy")
+    for dtype in DTYPES:
+        def judged(case):
+            args = build(op, case, dtype)
+            for out in _outputs(op, args, dtype, call(adapter, op, args, dtype)):
+                same_verdict(op, args, dtype, out)
+
+        for case in edge_cases(op)[:2]:
+            judged(case)
+
+        @settings(max_examples=2, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.data())
+        def drawn(data):
+            judged(data.draw(cases(op, dtype)))
+
+        drawn()
+
+
+def _bf16(values):
+    return np.asarray(values, dtype=np.float64).astype(ml_dtypes.bfloat16)
+
+
+def test_without_its_fallback_the_first_stage_passes_a_wrong_inf():
+    """bf16's largest value plus (1 - 2^-50) times half its top ULP lies just below the overflow
+    threshold: it rounds to the largest value, while its float64 enclosure straddles the threshold.
+    An inf there is wrong: the oracle fails it, the enclosure alone cannot and passes it."""
+    top = fmt("bfloat16").max_finite
+    args = (1 - 2.0**-50, _bf16([top]), _bf16([2.0**119]))
+    out = _bf16([np.inf])
+    assert not assess("residual", args, out, "bfloat16").passed
+    assert not assess("residual", args, out, "bfloat16", first_stage=False).passed
+    assert assess("residual", args, out, "bfloat16", fallback=False).passed
+
+
+def _exactly(value: Fraction, dtype) -> float:
+    """A rational rounded once to ``dtype``: as an mpf of enough bits to hold it, which round_to rounds."""
+    bits = max(value.numerator.bit_length(), value.denominator.bit_length()) + 64
+    with mpmath.workprec(bits):
+        return float(round_to(mpmath.mpf(value.numerator) / value.denominator, dtype))
+
+
+def test_oracle_rounds_once_linear():
+    """The issue's case: 257 + 2^-120 rounds to 258 in bf16; rounded to 128 bits first, it tied to 256."""
+    x, W = np.array([256.0, 1.0, 2.0**-120]), np.array([[1.0, 1.0, 1.0]])
+    exact = Fraction(256) + 1 + Fraction(1, 2**120)
+    want = _exactly(exact, "bfloat16")
+    assert want == 258.0
+    for first_stage in (True, False):  # 254 is 1.5 ULPs off, past the budget of one rounding
+        verdict = assess("linear", (_bf16(W), _bf16(x)), _bf16([254.0]), "bfloat16", first_stage=first_stage)
+        assert not verdict.passed and "258.0" in verdict.failures[0].split("correctly rounded")[1][:25]
+
+
+@pytest.mark.parametrize("op", ["silu", "gelu_tanh"])
+def test_oracle_rounds_once_at_the_smallest_subnormal(op):
+    """silu and GELU of bf16's smallest subnormal s lie just above s / 2 (their slope at 0 is 1/2), so
+    they round up to s; at 128 bits they were s / 2 exactly and tied to 0."""
+    s = fmt("bfloat16").smallest_subnormal
+    exact = np.asarray(spec.ORACLES[op](_bf16([s])), dtype=object)
+    _, rounded = correctly_rounded(OPS[op].oracle, (_bf16([s]),), exact, "bfloat16")
+    assert float(rounded[0]) == s
