@@ -25,10 +25,13 @@ and pytest's own codes otherwise.
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import sys
 import time
 
 import pytest
+import threadpoolctl
 from hypothesis import HealthCheck, Phase, settings
 
 from gemma4_conformance import adapters, report
@@ -143,6 +146,7 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--backend: several backends are named {', '.join(map(repr, twice))}; "
                                 f"each adapter of a run needs its own name")
     config.conformance_backends = loaded
+    config.conformance_threads = _share_threads(config)
     try:
         config.conformance_deviations = Deviations.load(config.getoption("--known-deviations"))
     except DeviationsError as e:
@@ -182,6 +186,23 @@ def pytest_generate_tests(metafunc):
         params = [pytest.param(spec, adapter, id=adapter.name)
                   for spec, adapter in metafunc.config.conformance_backends.items()]
         metafunc.parametrize("backend, adapter", params)
+
+
+def _share_threads(config) -> dict:
+    """Give each process its share of the cores: under pytest-xdist every worker would start a thread per
+    core in BLAS and in torch, and threads that outnumber the cores spin against each other (the oracle's
+    own products run BLAS on one thread already).  XLA's CPU threads are not limited."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(config.option, "numprocesses", None)
+    workers = workers if isinstance(workers, int) or str(workers).isdigit() else 1
+    processes = max(1, int(workers))
+    threads = max(1, cores // processes)
+    if processes > 1 and hasattr(config, "workerinput"):
+        threadpoolctl.threadpool_limits(threads)
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(threads)
+    return {"cores": cores, "processes": processes, "threads_per_process": threads}
 
 
 @pytest.fixture(scope="session")
@@ -267,7 +288,8 @@ def write_reports(config) -> None:
     for kind, path in paths.items():
         try:
             doc = doc or report.document(config.conformance_recorder,
-                                         report.environment(command=command, backends=config.conformance_backends.values()),
+                                         report.environment(command=command, backends=config.conformance_backends.values(),
+                                                            threads=config.conformance_threads),
                                          config.conformance_deviations.entries)
             written = report.dump(doc, path) if kind == "JSON" else report.write_html(path, [doc])
         except Exception as e:  # noqa: BLE001 - the suite's fault or a bad path: said, the run exits 6, nothing lost

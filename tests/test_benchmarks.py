@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.split import CATEGORY_TITLES, THROUGHPUT
+from benchmarks.split import CATEGORY_TITLES, ELEMENTWISE, THROUGHPUT
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,10 +28,12 @@ def test_the_split_benchmark_measures_oracles_and_a_main_job_and_compares_two_ru
     assert all(row["rate"] > 0 for row in run["oracles"])
     [job] = run["jobs"]
     assert job["exit"] == 0 and abs(sum(job["seconds"].values()) - job["wall"]) < 1e-6 * job["wall"] + 1e-3
-    assert job["seconds"]["oracle"] > 0 and job["seconds"]["backend"] > 0 and job["seconds"]["report"] > 0
+    # the first stage decides most elements, so the oracle's own time may be none
+    assert job["seconds"]["judge"] > 0 and job["seconds"]["backend"] > 0 and job["seconds"]["report"] > 0
     coverage = {(r["backend"], r["op"]): r for r in job["coverage"]}
     assert set(coverage) == {("numpy", "rms"), ("numpy", "sigmoid")}
     assert all(r["examples"] > 0 and r["checked"] == r["outputs"] > 0 for r in coverage.values())
+    assert all(0 <= r["by_oracle"] for r in coverage.values())
     # the trace's node calls are its own, not the ops' examples nor the certification's
     assert job["traced"]["calls"] > 0 and 0 < job["traced"]["checked"] <= job["traced"]["outputs"]  # a sample a node
     assert job["certified"]["calls"] == 0 and job["seconds"]["trace"] > 0
@@ -40,3 +42,15 @@ def test_the_split_benchmark_measures_oracles_and_a_main_job_and_compares_two_ru
     compared = subprocess.run([sys.executable, "-m", "benchmarks.split", "--compare", str(out), str(out)],
                               cwd=ROOT, capture_output=True, text=True)
     assert compared.returncode == 0 and "rms H=3840" in compared.stdout and "wall time" in compared.stdout
+
+
+def test_the_judging_benchmark_rates_every_op(tmp_path):
+    """--judging-only: oracle plus judging per op and dtype, in output elements a second, with the share
+    the oracle itself judged."""
+    out = tmp_path / "judging.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.split", "--judging-only", "--dtype=bfloat16",
+                           "--min-seconds=0", "--max-work=1", f"--json={out}"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["judging"]
+    assert [row["label"] for row in rows] == [label for label, *_ in THROUGHPUT + ELEMENTWISE]
+    assert all(row["elements_rate"] > 0 and 0 <= row["by_oracle"] <= 1 for row in rows)

@@ -76,6 +76,27 @@ CERTIFY_WORK = ORACLE_WORK // 4
 LONG_CONTEXT_OPS = frozenset({"rope", "sliding_gqa", "causal_gqa"})
 
 
+SPECIAL_IDS = (0, 1, 2)  # Gemma's pad, eos and bos
+
+
+def drawn_tokens(vocab_size: int, n: int, seed: int) -> np.ndarray:
+    """``n`` token ids drawn with ``seed``, with the special ids and the largest id each at a drawn
+    position past the first: an engine that takes the pad id inside a prompt for padding (renumbering
+    the positions after it), or misreads the embedding's last row, then departs from the reference."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab_size, n)
+    special = [t for t in (*SPECIAL_IDS, vocab_size - 1) if t < vocab_size][:max(n - 1, 0)]
+    tokens[rng.choice(np.arange(1, n), size=len(special), replace=False)] = special
+    return tokens
+
+
+def run_seed(config) -> int:
+    """The seed of the tokens a run draws: ``--hypothesis-seed`` where given (a sweep of seeds then draws
+    tokens too), else 0; a rerun command carries it."""
+    seed = config.getoption("hypothesis_seed", None)
+    return int(seed) if seed is not None and str(seed).isdigit() else 0
+
+
 class AdapterOps:
     """An adapter's ops in one dtype, under the contract's checks: the graph's ops object for backends."""
 

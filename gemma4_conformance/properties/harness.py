@@ -477,4 +477,7 @@ def rerun_command(item, backend: str, case: dict | None = None, weights: str | N
         command.append(f"--case={case_json(case)}")
     if weights is not None:
         command.append(f"--weights={weights}")
+    seed = item.config.getoption("hypothesis_seed", None)
+    if case is None and seed is not None:  # the forward's and serving's tokens are drawn with it
+        command.append(f"--hypothesis-seed={seed}")
     return shlex.join(command)

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.spec import fmt
 
-from .forward import ACCUMULATED, FLOOR, composed, judge_forward, reference, relative_error, wide_enough
+from .forward import ACCUMULATED, FLOOR, composed, drawn_tokens, judge_forward, reference, relative_error, wide_enough
 from .harness import ContractViolation
 
 SERVING_DTYPES = ("float32", "bfloat16")
@@ -199,8 +199,7 @@ class Documents:
         self.weights, self.config, self.checkpoint = weights, weights.config, checkpoint
         window = min(l.window for l in self.config.layers if l.kind == "sliding")
         self.window, self.length = window, document_length(window)
-        rng = np.random.default_rng(seed)
-        self.tokens = [rng.integers(0, self.config.vocab_size, self.length) for _ in range(DOCUMENTS)]
+        self.tokens = [drawn_tokens(self.config.vocab_size, self.length, seed * DOCUMENTS + d) for d in range(DOCUMENTS)]
 
     @cache
     def reference(self, d: int) -> np.ndarray:

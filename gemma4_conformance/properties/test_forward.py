@@ -17,7 +17,7 @@ from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.fixtures import checkpoint, generate
 from gemma4_conformance.spec.model import OPS_USED
 
-from .forward import check_finite, composed, judge_forward, local_errors, reference
+from .forward import check_finite, composed, drawn_tokens, judge_forward, local_errors, reference, run_seed
 from .harness import ContractViolation, rerun_command
 from .trace import completed, judge_trace
 
@@ -33,7 +33,7 @@ def model(request, tmp_path_factory):
     if path is None:
         path = generate.write_checkpoint(tmp_path_factory.mktemp("gemma4-small"), generate.small_config(), seed=0)
     weights = checkpoint.load(path)
-    tokens = np.random.default_rng(0).integers(0, weights.config.vocab_size, TOKENS)
+    tokens = drawn_tokens(weights.config.vocab_size, TOKENS, run_seed(request.config))
     ref, _ = reference(weights.config, weights, tokens, certify=False)
     return weights, tokens, ref
 
@@ -121,7 +121,7 @@ def test_forward_at_the_real_12b_geometry(request, backend, adapter, real_checkp
     path, given, seconds = real_checkpoint
     timings = {"generation": seconds}
     weights = checkpoint.load(path)
-    tokens = np.random.default_rng(0).integers(0, weights.config.vocab_size, SLOW_TOKENS)
+    tokens = drawn_tokens(weights.config.vocab_size, SLOW_TOKENS, run_seed(request.config))
     dtype = "bfloat16"
     stages = {"reference": lambda: reference(weights.config, weights, tokens),
               "backend": lambda: composed(adapter, weights.config, weights, tokens, dtype),

@@ -19,7 +19,7 @@ from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.fixtures import checkpoint, generate
 from gemma4_conformance.spec.model import forward
 
-from .forward import LONG_CONTEXT_OPS, AdapterOps, Certificate, judge_forward
+from .forward import LONG_CONTEXT_OPS, AdapterOps, Certificate, drawn_tokens, judge_forward, run_seed
 from .harness import ContractViolation, rerun_command
 from .serving import (
     EXAMPLES_SHARE,
@@ -41,9 +41,9 @@ from .serving import (
 
 
 @pytest.fixture(scope="session")
-def documents(tmp_path_factory):
+def documents(request, tmp_path_factory):
     path = generate.write_checkpoint(tmp_path_factory.mktemp("gemma4-serving"), generate.small_config(), seed=0)
-    return Documents(checkpoint.load(path), checkpoint=str(path))
+    return Documents(checkpoint.load(path), checkpoint=str(path), seed=run_seed(request.config))
 
 
 @pytest.mark.parametrize("serving_dtype", SERVING_DTYPES)
@@ -118,7 +118,7 @@ def test_serving_at_the_real_12b_geometry(request, backend, adapter, real_checkp
     window = min(l.window for l in config.layers if l.kind == "sliding")
     chunks = (window - window // 40 - 1, window // 32 + 2)  # (998, 34) at 1024
     schedule = {"sequences": [{"id": 0, "join": 0, "chunks": list(chunks), "decode": SLOW_DECODE}]}
-    tokens = np.random.default_rng(0).integers(0, config.vocab_size, length(schedule["sequences"][0]))
+    tokens = drawn_tokens(config.vocab_size, length(schedule["sequences"][0]), run_seed(request.config))
     judged = np.arange(max(0, chunks[0] - 8), len(tokens))  # the first chunk's end, the wrap, the decode steps
     pieces = [(0, chunks[0]), (chunks[0], chunks[1])] + [(sum(chunks) + i, 1) for i in range(SLOW_DECODE)]
     certificate = Certificate(ops=LONG_CONTEXT_OPS)
