@@ -1,11 +1,12 @@
 """The ``gemma4-conformance`` command.
 
     gemma4-conformance judge TRACE... --weights=CKPT [--report-json=F] [--report-html=F]
-                             [--known-deviations=F] [-n N] [-- PYTEST ARGS]
+                             [--known-deviations=F] [-n N] [PYTEST OPTIONS]
 
 ``judge`` judges trace files recorded anywhere (docs/trace-file.md): it runs pytest with the suite's
 plugin and ``--judge-traces``, so the verdicts, the JSON and HTML reports, the known deviations and the
 exit status are exactly a pytest run's (0 conformant, 1 not, 4 a usage error, 6 a broken file).
+Options it does not know go to pytest (``-q``, ``-x``, ``--hypothesis-profile=ci``, ...).
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     judge.add_argument("--known-deviations", action="append", default=[], metavar="FILE",
                        help="an engine's accepted deviations (the plugin's option); repeat for several")
     judge.add_argument("-n", dest="workers", default=None, help="pytest-xdist workers (a number or auto)")
-    judge.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
-    args = parser.parse_args(argv)
+    args, pytest_args = parser.parse_known_args(argv)
 
     import pytest
 
-    command = ["-p", "gemma4_conformance.plugin", "--pyargs", "gemma4_conformance.properties.test_recorded",
+    # -ra: the summary says what was not judged (a file without logits skips its forward) and why
+    command = ["-ra", "-p", "gemma4_conformance.plugin", "--pyargs", "gemma4_conformance.properties.test_recorded",
                f"--weights={args.weights}", f"--report-html={args.report_html}",
                *(f"--judge-traces={path}" for path in args.traces),
                *(f"--known-deviations={path}" for path in args.known_deviations)]
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         command.append(f"--report-json={args.report_json}")
     if args.workers is not None:
         command += ["-n", args.workers]
-    return int(pytest.main(command + args.pytest_args))
+    return int(pytest.main(command + pytest_args))
 
 
 if __name__ == "__main__":
