@@ -85,9 +85,12 @@ def _described(path: Path) -> RecordedFile:
     return RecordedFile(str(path), meta.get("engine", "?"), meta.get("dtype", "?"))
 
 
+RECORDED_TESTS = Path(__file__).resolve().parent / "properties" / "test_recorded.py"
+
+
 def pytest_ignore_collect(collection_path, config):
     """The recorded-run tests exist only when there are files to judge."""
-    if collection_path.name == "test_recorded.py" and not config.getoption("--judge-traces"):
+    if not config.getoption("--judge-traces") and Path(collection_path).resolve() == RECORDED_TESTS:
         return True
     return None
 

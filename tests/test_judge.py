@@ -102,3 +102,13 @@ def test_many_files_spread_over_xdist_workers_into_one_report(tmp_path, folder):
     doc = json.loads((tmp_path / "n2.json").read_text())
     assert sorted(t["backend"] for t in doc["traces"]) == ["numpy (again.safetensors)", "numpy (numpy-bfloat16.safetensors)"]
     assert "2 workers" in done.stdout
+
+
+def test_usage_errors_exit_4_and_say_what_is_wrong(tmp_path, folder):
+    missing = tmp_path / "nowhere.safetensors"
+    done = judge(tmp_path, str(missing), f"--weights={folder}")
+    assert done.returncode == 4 and f"{missing} is neither a file nor a folder" in done.stderr + done.stdout
+    done = judge(tmp_path, str(missing))
+    assert done.returncode == 4 and "--weights" in done.stderr
+    done = pytest_run(tmp_path, "--pyargs", "gemma4_conformance", f"--judge-traces={tmp_path}")
+    assert done.returncode == 4 and "--judge-traces needs --weights" in done.stderr + done.stdout
