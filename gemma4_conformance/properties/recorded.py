@@ -29,6 +29,7 @@ import numpy as np
 
 from gemma4_conformance import tracefile
 from gemma4_conformance.adapters import DTYPES
+from gemma4_conformance.spec import fmt
 from gemma4_conformance.spec.model import nodes
 
 from .forward import wide_enough
@@ -137,20 +138,19 @@ def _tokens(found, where: str, vocab: int) -> np.ndarray:
 
 
 class _Shapes:
-    """The checkpoint's tensors as zeros of their shapes: replaying an empty trace on them gives every
-    node's size without reading a weight."""
+    """The checkpoint's tensors as zeros of their shapes in the dtype under test (broadcast: no memory):
+    replaying an empty trace on them gives every node's size without reading a weight."""
 
-    def __init__(self, weights):
-        self.weights = weights
+    def __init__(self, weights, dtype: str):
+        self.weights, self.zero = weights, np.zeros((), fmt(dtype).dtype)
 
     def __getitem__(self, name):
-        info = self.weights.info(name)
-        return np.zeros(info.shape, self.weights[name].dtype)
+        return np.broadcast_to(self.zero, self.weights.info(name).shape)
 
 
 def _sizes(config, weights, tokens, dtype) -> dict[str, int]:
     sizes: dict[str, int] = {}
-    for call in replay({}, config, _Shapes(weights), tokens, dtype):
+    for call in replay({}, config, _Shapes(weights, dtype), tokens, dtype):
         sizes[call.node] = sizes.get(call.node, 0) + call.out.size  # the LM head's chunks add up
     return sizes
 
