@@ -20,9 +20,10 @@ from gemma4_conformance import tracefile
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.fixtures import checkpoint, generate
 from gemma4_conformance.properties import recorded
-from gemma4_conformance.properties.forward import composed
+from gemma4_conformance.properties.forward import AdapterOps, TraceRecorder, composed
 from gemma4_conformance.properties.harness import ContractViolation
 from gemma4_conformance.properties.trace import INPUTS_NOT_TRACED, NOT_TRACED, PASSED, completed
+from gemma4_conformance.spec.model import decoder_layer
 
 LAYERS, TOKENS = 2, 12
 
@@ -236,3 +237,27 @@ def test_the_reader_gives_only_contract_messages_whatever_the_bytes(tmp_path, ru
 
     fuzz()
     assert seen == {"unreadable", "breached", "clean"}  # the mangling reached all three outcomes
+
+
+def test_one_layer_of_the_12b_geometry_is_judged_without_the_models_weights_in_memory(tmp_path):
+    """A trace of layer 0 of the real geometry (a layout-only checkpoint: 24 GB of holes) is judged under a
+    4 GiB limit on its data (read-only maps of the checkpoint aside): the replay holds the judged layer's
+    weights, not a copy of every layer's."""
+    folder = generate.write_checkpoint(tmp_path / "12b", generate.real_config(), shards=5, layout_only=True)
+    weights = checkpoint.load(folder)
+    config = weights.config
+    tokens = np.arange(4)
+    ops = AdapterOps(numpy_backend, "bfloat16", observe=TraceRecorder())
+    x = ops.op("embed", "embed", config.embed_scale, ops.weight(weights["model.embed_tokens.weight"][tokens]),
+               np.arange(4))
+    decoder_layer(ops, config, weights, config.layers[0], x, np.arange(4))
+    path = tracefile.write(tmp_path / "layer0.safetensors", tokens=tokens, nodes=ops.observe.trace, engine="numpy",
+                           dtype="bfloat16", checkpoint=str(folder))
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30)); "
+    done = subprocess.run([sys.executable, "-c", limit + "from gemma4_conformance.__main__ import main; "
+                           f"raise SystemExit(main(['judge', {str(path)!r}, '--weights={folder}', '--report-html=', "
+                           f"'--report-json=report.json', '-k', 'nodes']))"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (entry,) = json.loads((tmp_path / "report.json").read_text())["traces"]
+    assert entry["summary"].startswith("no node departs (21 judged)")
