@@ -50,11 +50,13 @@ def pytest_addoption(parser):
                          "in DIR, to be judged anywhere with --judge-traces or gemma4-conformance judge")
 
 
+@pytest.hookimpl(trylast=True)  # after the plugin's: it loads the --backend adapters, which judging does not run
 def pytest_configure(config):
     config.conformance_recorded = []
     given = config.getoption("--judge-traces")
     if not given:
         return
+    config.conformance_backends = {}  # no backend is under test: the report lists none
     weights = config.getoption("--weights")
     if weights is None:
         raise pytest.UsageError("--judge-traces needs --weights: the checkpoint the traces were recorded on")
