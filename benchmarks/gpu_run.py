@@ -175,7 +175,8 @@ def record(jobs: list[Job], args, work: Path) -> list[str]:
         with tarfile.open(bundle, "w:gz") as tar:
             for file in files:
                 tar.add(file, arcname=file.name)
-        lines.append(f"   recorded {', '.join(f.name for f in files)} ({sum(f.stat().st_size for f in files) / 1e6:.1f} MB, "
+        size = sum(f.stat().st_size for f in files) / 1e6
+        lines.append(f"   recorded {', '.join(f.name for f in files)} ({size:.1f} MB, "
                      f"{time.monotonic() - began:.0f} s, forward test exit {done.returncode}) -> {bundle.name}")
     return ["record step: trace files to judge anywhere (python -m gemma4_conformance.fixtures.generate CKPT, then "
             "gemma4-conformance judge FILE --weights=CKPT)"] + lines

@@ -22,7 +22,8 @@ def test_the_gpu_run_script_runs_its_jobs_on_the_cpu_and_writes_the_merged_repor
                           capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=900)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    assert {p.name for p in tmp_path.iterdir()} == {"gpu.html", "summary.txt", "runs.tar.gz", "traces-torch-tf32-on.tar.gz"}
+    assert {p.name for p in tmp_path.iterdir()} == {"gpu.html", "summary.txt", "runs.tar.gz",
+                                                    "traces-torch-tf32-on.tar.gz"}
     summary = (tmp_path / "summary.txt").read_text()
     assert "left out jax-sdpa-cudnn: it needs a GPU" in summary
     assert "== torch-tf32-on  (--backend=torch[tf32=on])" in summary and "exit 0" in summary

@@ -100,7 +100,8 @@ def test_many_files_spread_over_xdist_workers_into_one_report(tmp_path, folder):
                  "-n", "2", "-k", "nodes")
     assert done.returncode == 0, done.stdout[-3000:]
     doc = json.loads((tmp_path / "n2.json").read_text())
-    assert sorted(t["backend"] for t in doc["traces"]) == ["numpy (again.safetensors)", "numpy (numpy-bfloat16.safetensors)"]
+    assert sorted(t["backend"] for t in doc["traces"]) == ["numpy (again.safetensors)",
+                                                          "numpy (numpy-bfloat16.safetensors)"]
     assert "2 workers" in done.stdout
 
 

@@ -65,7 +65,8 @@ def test_the_writer_keeps_every_node_bit_for_bit_and_the_safetensors_library_rea
     found = tracefile.read(path)
     assert found.metadata == {"format": tracefile.FORMAT, "format_version": tracefile.VERSION, "engine": "numpy",
                                "engine_version": "1.2", "dtype": "bfloat16", "device": "cuda:0",
-                               "checkpoint": str(weights.path), "checkpoint_sha256": recorded.checkpoint_sha256(weights)}
+                               "checkpoint": str(weights.path),
+                               "checkpoint_sha256": recorded.checkpoint_sha256(weights)}
     assert not found.problems and set(found.tensors) == {*trace, "tokens", "positions"}
     for node, value in trace.items():
         assert found.tensors[node].dtype == value.dtype
@@ -179,7 +180,8 @@ def _forged_entry():
         "dtype": st.sampled_from(["F32", "BF16", "F16", "I64", "F64", "U8", "X", 3]),
         "shape": st.one_of(shape, shape, st.lists(st.one_of(st.integers(-2, 40), st.just("3"), st.none()), max_size=3),
                            st.integers()),
-        "data_offsets": st.one_of(offsets, offsets, st.lists(st.integers(-8, 1 << 20), max_size=3), st.text(max_size=3)),
+        "data_offsets": st.one_of(offsets, offsets, st.lists(st.integers(-8, 1 << 20), max_size=3),
+                                  st.text(max_size=3)),
     })
 
 

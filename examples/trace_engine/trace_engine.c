@@ -56,7 +56,8 @@ static float *load(char **shards, int nshards, const char *name, size_t *count) 
         *count = nbytes / size;
         unsigned char *raw = malloc(nbytes ? nbytes : 1);
         float *out = malloc((*count ? *count : 1) * sizeof(float));
-        if (fseek(f, (long)(8 + n + begin), SEEK_SET) || fread(raw, 1, nbytes, f) != nbytes) die("truncated data", name);
+        if (fseek(f, (long)(8 + n + begin), SEEK_SET) || fread(raw, 1, nbytes, f) != nbytes)
+            die("truncated data", name);
         for (size_t i = 0; i < *count; i++) {
             uint32_t bits = bf16 ? (uint32_t)(raw[2 * i] | raw[2 * i + 1] << 8) << 16
                                  : (uint32_t)raw[4 * i] | (uint32_t)raw[4 * i + 1] << 8 | (uint32_t)raw[4 * i + 2] << 16
@@ -96,8 +97,8 @@ static void write_trace(const char *path, const char *metadata, struct tensor *t
     char header[8192];
     size_t used = (size_t)snprintf(header, sizeof header, "{\"__metadata__\":%s", metadata), offset = 0;
     for (int i = 0; i < n; i++) {
-        used += (size_t)snprintf(header + used, sizeof header - used, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", t[i].name,
-                                 t[i].dtype);
+        used += (size_t)snprintf(header + used, sizeof header - used, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[",
+                                 t[i].name, t[i].dtype);
         for (int d = 0; d < t[i].ndim; d++)
             used += (size_t)snprintf(header + used, sizeof header - used, "%s%zu", d ? "," : "", t[i].shape[d]);
         used += (size_t)snprintf(header + used, sizeof header - used, "],\"data_offsets\":[%zu,%zu]}", offset,
