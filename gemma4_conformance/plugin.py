@@ -17,6 +17,7 @@ Its hooks touch only the suite's own tests, even in a run that collects others t
     pytest ... --case='<json>'                rerun exactly one failing case (printed on failure)
     pytest ... --known-deviations=FILE        failures the backend's authors have accepted (deviations.py)
     pytest --judge-traces=FILE --weights=CKPT  a run recorded anywhere, judged from its trace file (judge.py)
+    pytest --backend=torch --record-traces=DIR  each forward run also written as a trace file, to judge anywhere
 
 The exit status tells a CI gate what happened (EXIT_CODES below): 0 conformant, 1 not conformant,
 6 an adapter or the suite broke (raised, or broke the contract, or a report could not be written),
