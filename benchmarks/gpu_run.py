@@ -9,9 +9,15 @@ Each backend configuration is its own pytest process (``pytest --backend=SPEC --
 default Hypothesis profile), all run side by side (the oracle is single-threaded and dominates; a GPU
 is shared well by a dozen small processes), each stopped with SIGINT at ``--deadline`` seconds so
 that it still writes its report.  Then the reports are merged into one page and the summary is
-printed and written beside it.  ``--out`` receives three files (the device tool returns at most
-eight): ``gpu.html`` (the merged page), ``summary.txt`` (what is printed) and ``runs.tar.gz`` (each
-job's JSON report and log).
+printed and written beside it.  ``--out`` receives (the device tool returns at most eight files, 16 MiB
+each): ``gpu.html`` (the merged page), ``summary.txt`` (what is printed), ``runs.tar.gz`` (each job's
+JSON report and log) and, per library, ``traces-JOB.tar.gz``.
+
+The record step: each library's first job runs its forward once more, in bf16 (the forward test
+alone, no oracle work), with ``--record-traces``, so its trace files (every node of the generated
+checkpoint, about 10 MB) can be judged on any CPU: ``python -m gemma4_conformance.fixtures.generate
+CKPT`` writes the same checkpoint (the file's checkpoint_sha256 says so), then ``gemma4-conformance
+judge FILE --weights=CKPT``.
 
 Jobs that need a GPU (cuDNN attention) are left out on the CPU, and said so.  A job that exits 4 (a
 usage error: its device or library is missing) is reported with its message; the others still run.
@@ -64,6 +70,7 @@ JOBS = [
 ]
 QUICK_OPS = "test_matches_oracle and (-linear] or -causal_gqa] or -rmsnorm])"  # --quick: a matmul, attention, a norm
 CERTIFICATION = "test_reference_is_certified_by_the_oracle"  # the suite's own check of its reference: once per run
+RECORDING = "test_forward_matches_reference"  # the record step's test: the forward, its trace file written
 
 
 def preflight(device: str) -> dict[str, str]:
@@ -144,6 +151,37 @@ def run(jobs: list[Job], args, work: Path) -> dict[str, dict]:
     return results
 
 
+def record(jobs: list[Job], args, work: Path) -> list[str]:
+    """The record step (module docstring): each library's first job's bf16 forward, its trace files bundled
+    as ``traces-JOB.tar.gz`` in ``--out``; returns the summary's lines."""
+    firsts = {}
+    for job in jobs:
+        firsts.setdefault(job.library, job)
+    lines = []
+    for job in firsts.values():
+        folder = work / "traces" / job.name
+        cmd = [sys.executable, "-m", "pytest", "-p", "gemma4_conformance.plugin", "--pyargs",
+               "gemma4_conformance.properties.test_forward", f"--backend={job.spec}", f"--device={args.device}",
+               "-p", "no:cacheprovider", "--report-html=", "-q", "--no-header", "-k", RECORDING,
+               "--dtype=bfloat16", f"--record-traces={folder}", *args.pytest_args]
+        began = time.monotonic()
+        done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=_env(), timeout=args.deadline + 60)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            tail = (done.stdout + done.stderr).strip().splitlines() or ["(no output)"]
+            lines.append(f"   recorded no trace of {job.name} (exit {done.returncode}): {tail[-1][:300]}")
+            continue
+        bundle = args.out / f"traces-{job.name}.tar.gz"
+        with tarfile.open(bundle, "w:gz") as tar:
+            for file in files:
+                tar.add(file, arcname=file.name)
+        size = sum(f.stat().st_size for f in files) / 1e6
+        lines.append(f"   recorded {', '.join(f.name for f in files)} ({size:.1f} MB, "
+                     f"{time.monotonic() - began:.0f} s, forward test exit {done.returncode}) -> {bundle.name}")
+    return ["record step: trace files to judge anywhere (python -m gemma4_conformance.fixtures.generate CKPT, then "
+            "gemma4-conformance judge FILE --weights=CKPT)"] + lines
+
+
 def summarize(job: Job, result: dict, work: Path) -> list[str]:
     """A job's verdict matrix in a few lines: per dtype the ops passed, failed, errored; its failures;
     the forward and theorems; where the time went; the device and math modes."""
@@ -208,7 +246,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="jobs run at once (default: the CPUs)")
     parser.add_argument("--only", default="", help="comma-separated job names (default: all); see JOBS")
     parser.add_argument("--quick", action="store_true", help="a few ops in float32 and bf16: checks the script")
-    parser.add_argument("--out", type=Path, default=ROOT / "reports" / "gpu", help="where the three files go")
+    parser.add_argument("--out", type=Path, default=ROOT / "reports" / "gpu", help="where the files go")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
     args = parser.parse_args(argv)
 
@@ -237,6 +275,7 @@ def main(argv=None) -> int:
                  f"{len(jobs)} jobs, wall {time.monotonic() - begun:.0f} s"] + notes
         for job in jobs:
             lines += summarize(job, results[job.name], work)
+        lines += record(jobs, args, work)
         reports = [work / f"{job.name}.json" for job in jobs if (work / f"{job.name}.json").exists()]
         if reports:
             from gemma4_conformance import report

@@ -16,6 +16,8 @@ Its hooks touch only the suite's own tests, even in a run that collects others t
     pytest --weights=/path/to/gemma-4-12B     the full forward on real weights
     pytest ... --case='<json>'                rerun exactly one failing case (printed on failure)
     pytest ... --known-deviations=FILE        failures the backend's authors have accepted (deviations.py)
+    pytest --judge-traces=FILE --weights=CKPT  a run recorded anywhere, judged from its trace file (judge.py)
+    pytest --backend=torch --record-traces=DIR  each forward run also written as a trace file, to judge anywhere
 
 The exit status tells a CI gate what happened (EXIT_CODES below): 0 conformant, 1 not conformant,
 6 an adapter or the suite broke (raised, or broke the contract, or a report could not be written),
@@ -44,6 +46,9 @@ from gemma4_conformance.properties.deviations import (
 from gemma4_conformance.properties.record import Problem, Recorder
 from gemma4_conformance.properties.relations import RELATIONS
 from gemma4_conformance.spec import OP_NAMES
+
+# Its trace-file options (--judge-traces, --record-traces) and their hooks live in their own module.
+pytest_plugins = ("gemma4_conformance.judge",)
 
 EXIT_CONFORMANT = 0
 EXIT_NOT_CONFORMANT = 1  # pytest's TESTS_FAILED: every failure is an error beyond its budget

@@ -9,6 +9,10 @@ import sys
 import tarfile
 from pathlib import Path
 
+from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.properties import recorded
+from gemma4_conformance.spec.model import nodes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,7 +22,8 @@ def test_the_gpu_run_script_runs_its_jobs_on_the_cpu_and_writes_the_merged_repor
                           capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=900)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    assert {p.name for p in tmp_path.iterdir()} == {"gpu.html", "summary.txt", "runs.tar.gz"}
+    assert {p.name for p in tmp_path.iterdir()} == {"gpu.html", "summary.txt", "runs.tar.gz",
+                                                    "traces-torch-tf32-on.tar.gz"}
     summary = (tmp_path / "summary.txt").read_text()
     assert "left out jax-sdpa-cudnn: it needs a GPU" in summary
     assert "== torch-tf32-on  (--backend=torch[tf32=on])" in summary and "exit 0" in summary
@@ -27,3 +32,11 @@ def test_the_gpu_run_script_runs_its_jobs_on_the_cpu_and_writes_the_merged_repor
     with tarfile.open(tmp_path / "runs.tar.gz") as bundle:
         assert set(bundle.getnames()) == {"torch-tf32-on.json", "torch-tf32-on.log"}
     assert "torch-tf32-on" in (tmp_path / "gpu.html").read_text()
+    # The record step: the job's forward written as a trace file that judges as conformant elsewhere.
+    assert "recorded torch-tf32-on-float32.safetensors" in summary and "forward test exit 0" in summary
+    with tarfile.open(tmp_path / "traces-torch-tf32-on.tar.gz") as bundle:
+        assert bundle.getnames() == ["torch-tf32-on-float32.safetensors"]
+        bundle.extractall(tmp_path / "traces", filter="data")
+    weights = checkpoint.load(generate.write_checkpoint(tmp_path / "ckpt", generate.small_config()))
+    found = recorded.load(tmp_path / "traces" / "torch-tf32-on-float32.safetensors", weights)
+    assert not found.breaches and len(found.trace) == len(nodes(weights.config))  # every node, on these weights

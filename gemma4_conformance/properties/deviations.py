@@ -63,8 +63,13 @@ class Deviation:
 
 
 def subject(item) -> tuple[str, str, str, str] | None:
-    """(backend spec, adapter name, dtype, op/relation/"forward"/"trace"/"serving") of a suite test, None for others."""
+    """(backend spec, adapter name, dtype, op/relation/"forward"/"trace"/"serving") of a suite test, None for others;
+    for a recorded run judged from its file, (engine, its label in the report, dtype, "trace"/"forward")."""
     params = getattr(getattr(item, "callspec", None), "params", {})
+    for name, what in (("trace_file", TRACE), ("forward_file", FORWARD)):
+        if name in params:  # a recorded run judged from its file (judge.py): its engine is the backend
+            recorded = params[name]
+            return recorded.engine, recorded.label, recorded.dtype, what
     if "adapter" not in params:
         return None
     if "op" in params:

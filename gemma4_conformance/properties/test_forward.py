@@ -19,6 +19,7 @@ from gemma4_conformance.spec.model import OPS_USED
 
 from .forward import check_finite, composed, drawn_tokens, judge_forward, local_errors, reference, run_seed
 from .harness import ContractViolation, rerun_command
+from .recorded import record
 from .trace import completed, judge_trace
 
 FORWARD_DTYPES = ("float32", "bfloat16", "float16")
@@ -75,6 +76,9 @@ def candidate_run(request, adapter, dtype: str, model, runs) -> dict:
         runs[key] = e
         raise
     runs[key] = out
+    folder = request.config.getoption("--record-traces")
+    if folder is not None:  # judged here and, from the file, anywhere (judge.py)
+        record(folder, adapter, dtype, weights, tokens, out)
     return out
 
 

@@ -98,7 +98,9 @@ class Replay:
         self.columns: dict[str, int] = {}  # node -> columns of its trace used so far (the LM head's chunks)
 
     def weight(self, array):
-        return np.asarray(array).astype(fmt(self.dtype).dtype)
+        # copy=False: a weight stored in the dtype under test stays a view of the checkpoint's memory map,
+        # read only where a judged node uses it (a one-layer trace of the 12B model reads one layer).
+        return np.asarray(array).astype(fmt(self.dtype).dtype, copy=False)
 
     def op(self, node, name, *args):
         shape = CONTRACT[name].output_shape(*args)
@@ -107,7 +109,9 @@ class Replay:
             out = self._traced(node, shape)
         else:
             out = _stand_in(shape, fmt(self.dtype).dtype, node)
-        self.calls.append(Call(node, name, args, out, node in self.trace, untraced))
+        # Only a call that will be judged keeps its arguments: the others' weights are not held for the replay.
+        kept = args if node in self.trace and not untraced else ()
+        self.calls.append(Call(node, name, kept, out, node in self.trace, untraced))
         return out
 
     def _traced(self, node, shape) -> np.ndarray:
