@@ -194,20 +194,22 @@ def pytest_generate_tests(metafunc):
 
 
 def _share_threads(config) -> dict:
-    """Give each process its share of the cores: under pytest-xdist every worker would start a thread per
-    core in BLAS and in torch, and threads that outnumber the cores spin against each other (the oracle's
-    own products run BLAS on one thread already).  XLA's CPU threads are not limited."""
+    """Give each process its share of the cores in torch: under pytest-xdist every worker would start a
+    thread per core, and threads that outnumber the cores spin against each other.  numpy's BLAS keeps
+    its threads: its float32 products change with their number, and a run must report the same with
+    and without workers (the oracle's own products run BLAS on one thread anyway).  XLA's CPU threads
+    are not limited."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(config.option, "numprocesses", None)
     workers = workers if isinstance(workers, int) or str(workers).isdigit() else 1
     processes = max(1, int(workers))
     threads = max(1, cores // processes)
-    if processes > 1 and hasattr(config, "workerinput"):
-        threadpoolctl.threadpool_limits(threads)
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            torch.set_num_threads(threads)
-    return {"cores": cores, "processes": processes, "threads_per_process": threads}
+    torch = sys.modules.get("torch")
+    if processes > 1 and hasattr(config, "workerinput") and torch is not None:
+        torch.set_num_threads(threads)
+    blas = [pool["num_threads"] for pool in threadpoolctl.threadpool_info() if pool.get("user_api") == "blas"]
+    return {"cores": cores, "processes": processes, "torch_threads_per_process": threads if torch else None,
+            "blas_threads": max(blas, default=None)}
 
 
 @pytest.fixture(scope="session")
