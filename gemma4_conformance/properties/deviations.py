@@ -148,6 +148,8 @@ def _read(path: Path) -> list[Deviation]:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise DeviationsError(f"{path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise DeviationsError(f"{path}: not UTF-8 text (byte {e.start}): expected YAML") from None
     except yaml.YAMLError as e:
         raise DeviationsError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("backend"), str) or not data["backend"]:

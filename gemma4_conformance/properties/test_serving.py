@@ -74,10 +74,7 @@ def test_serving_matches_reference(request, backend, adapter, serving_dtype, doc
 
     case = request.config.conformance_case
     if case is not None:
-        try:
-            schedule = validate(case, window)
-        except ValueError as e:
-            raise pytest.UsageError(str(e)) from None
+        schedule = validate(case, window)  # a malformed one was refused before the run (plugin.check_case_fits)
         check(schedule)
         record.outcome = "passed"
         return
