@@ -39,7 +39,7 @@ from gemma4_conformance.properties.deviations import (
     DeviationsError,
     subject,
 )
-from gemma4_conformance.properties.record import Problem, Recorder
+from gemma4_conformance.properties.record import Problem, Recorder, UnsupportedSkip
 from gemma4_conformance.fixtures import checkpoint, generate
 from gemma4_conformance.fixtures.checkpoint import CheckpointError
 from gemma4_conformance.fixtures.config import ConfigError
@@ -304,7 +304,18 @@ def pytest_runtest_makereport(item, call):
         recorder.excused[name, dtype, what] = entry.reason
     elif rep.failed and (rep.when != "call" or call.excinfo is not None and is_broken(call.excinfo.value)):
         recorder.problems.append(Problem(item.nodeid, rep.when, call.excinfo.exconly()[:2000]))
+    if call.excinfo is not None and call.excinfo.errisinstance(UnsupportedSkip):
+        rep.conformance_unsupported = True  # an attribute, so that it travels from an xdist worker
     return rep
+
+
+def pytest_report_teststatus(report, config):
+    """A test skipped for an op the adapter lacks counts as "unsupported", not "skipped": pytest's -ra
+    summary leaves it out (one line per test, 60 for a three-op adapter), and the plugin's summary
+    names each adapter's unsupported ops once."""
+    if getattr(report, "conformance_unsupported", False):
+        return "unsupported", "u", "UNSUPPORTED"
+    return None
 
 
 def is_broken(error: BaseException) -> bool:

@@ -234,9 +234,12 @@ def test_an_adapter_without_a_session_is_listed_as_not_supporting_the_serving_pa
     recorder.serving["minimal", "float32"] = ServingRecord("minimal", "float32", "unsupported")
     [entry] = report.document(recorder, {})["serving"]
     assert entry["outcome"] == "unsupported" and entry["worst"] is None and entry["tokens"] == 0
-    section = _section(report.render([report.document(recorder, {})]), "serving", "environment")
+    page = report.render([report.document(recorder, {})])
+    section = _section(page, "serving", "environment")
     assert "minimal" in section and "not supported (no session)" in section
-    assert any("minimal" in line and "no session" in line for line in recorder.table())
+    assert "no session, so no serving path" in _section(page, "conformance", "matrix")
+    assert [line for line in recorder.table() if "no session" in line] == [
+        "minimal  unsupported: no session, so no serving path"]
 
 
 def test_the_histogram_is_capped_and_keeps_the_extremes():
@@ -455,3 +458,8 @@ def test_the_command_names_a_bad_input_file(tmp_path, capsys):
     assert main(["html", str(tmp_path / "out.html"), str(bad)]) == 2
     assert str(bad) in capsys.readouterr().err
     assert not (tmp_path / "out.html").exists()
+
+
+def test_each_backends_unsupported_ops_and_serving_are_one_line(page):
+    section = _section(page, "conformance", "matrix")
+    assert section.count("not implemented") == 1 and "1 op not implemented: linear" in section

@@ -45,6 +45,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from gemma4_conformance.spec import OP_NAMES
 from gemma4_conformance.spec.model import LAYER_NODES
 
 from .data import dtype_rank, number, validate
@@ -415,6 +416,18 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     stale = [{"label": doc_labels[i], **e} for i, d in enumerate(documents) for e in d["deviations"]
              if e["status"] != "excused"]
 
+    # One line per backend that lacks something: the ops it does not implement, and the serving path
+    # without a session (the matrix shows each as a grey cell; this says it in words, once).
+    lacking = []
+    for c, (i, backend) in enumerate(columns):
+        absent = {r["op"] for r in documents[i]["results"] if r["backend"] == backend and r["outcome"] == "unsupported"}
+        names = [op for op in OP_NAMES if op in absent]
+        missing = [f"{len(names)} op{'s' * (len(names) != 1)} not implemented: {', '.join(names)}"] if names else []
+        if any(e["outcome"] == "unsupported" for (j, b, _), e in serving.items() if (j, b) == (i, backend)):
+            missing.append("no session, so no serving path")
+        if missing:
+            lacking.append({"column": column_labels[c], "text": "; ".join(missing)})
+
     # % conformant per column and dtype.
     conformance = []
     for c, (i, backend) in enumerate(columns):
@@ -575,6 +588,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         "excused": excused,
         "stale": stale,
         "conformance": conformance,
+        "lacking": lacking,
         "matrix": matrix,
         "forward_row": forward_row if forward_row and any(c["text"] for c in forward_row) else None,
         "trace_row": trace_row if any(c["text"] for c in trace_row) else None,
