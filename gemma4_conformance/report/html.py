@@ -419,14 +419,14 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     # One line per backend that lacks something: the ops it does not implement, and the serving path
     # without a session (the matrix shows each as a grey cell; this says it in words, once).
     lacking = []
-    for c, (i, backend) in enumerate(columns):
+    for i, backend in dict.fromkeys([*columns, *((j, b) for j, b, _ in serving)]):
         absent = {r["op"] for r in documents[i]["results"] if r["backend"] == backend and r["outcome"] == "unsupported"}
         names = [op for op in OP_NAMES if op in absent]
         missing = [f"{len(names)} op{'s' * (len(names) != 1)} not implemented: {', '.join(names)}"] if names else []
         if any(e["outcome"] == "unsupported" for (j, b, _), e in serving.items() if (j, b) == (i, backend)):
             missing.append("no session, so no serving path")
         if missing:
-            lacking.append({"column": column_labels[c], "text": "; ".join(missing)})
+            lacking.append({"column": label(i, backend), "text": "; ".join(missing)})
 
     # % conformant per column and dtype.
     conformance = []
