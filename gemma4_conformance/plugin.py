@@ -5,21 +5,8 @@ root conftest.py) and is asked for by name anywhere else, so an engine's other t
 
     pytest -p gemma4_conformance.plugin --pyargs gemma4_conformance --backend=myengine
 
-Its hooks touch only the suite's own tests, even in a run that collects others too.
-
-    pytest --backend=torch                    every op of torch in every dtype it supports
-    pytest --backend=all --dtype=bfloat16     every installed built-in backend, bf16 only
-    pytest --backend=mypkg.engine:Adapter     an adapter object, class or factory by path
-    pytest --backend=torch,torch-sdpa --device=cuda   torch's eager and fused kernels on the GPU
-    pytest --backend=torch --ops=rmsnorm,softmax  those ops only (and the theorems that relate them)
-    pytest --hypothesis-profile=thorough      more examples (profiles: ci, default, thorough)
-    pytest --weights=/path/to/gemma-4-12B     the full forward on real weights
-    pytest ... --case='<json>'                rerun exactly one failing case (printed on failure)
-    pytest ... --known-deviations=FILE        failures the backend's authors have accepted (deviations.py)
-
-The exit status tells a CI gate what happened (EXIT_CODES below): 0 conformant, 1 not conformant,
-6 an adapter or the suite broke (raised, or broke the contract, or a report could not be written),
-and pytest's own codes otherwise.
+Its hooks touch only the suite's own tests, even in a run that collects others too.  Its options, the
+summary and the exit codes (EXIT_CODES below): docs/running.md and the README.
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
 """The HTML page: one or several report documents on one self-contained page.
 
-``render(documents)`` returns the page as a string; ``write(path, documents)`` writes it.  The page
-fetches nothing (a Content-Security-Policy forbids it): styles and a few lines of script are inline,
-and every chart is an inline SVG drawn by matplotlib (Agg canvas, text kept as text).  The markup
-comes from ``templates/report.html.j2`` with autoescaping on; the only unescaped strings are the SVGs.
-
-Sections, in order: what broke (tests where the adapter raised or the suite errored), failures
-(every failed or errored op, failed theorem and failed forward, worst first, with the message and the
-command that reruns the worst case), known deviations (excused failures with their reasons, and
-entries that matched nothing or no longer deviate), % conformant per backend and dtype, the
-conformance matrix (ops x dtypes, backends side by side within a dtype; each cell the worst
-example's ULPs / its budget,
-coloured red failed, violet known deviation, teal correctly rounded (a budget of the final rounding
-alone, met), orange passed with headroom under 1.5, green passed, blue not established (too few informative examples), grey unsupported; with the count of informative
-examples), the spec's theorems (held or not, same layout), the budget slack (per op and dtype, the
-budget over the worst error of the tightest passing backend), the passing ops closest to their
-budget with their rerun commands, the error histograms (one chart per backend x dtype, one panel per
-op, each example's error as a fraction of its budget), the full forward (per-layer relative error of
-candidate and baseline, log scale), the trace (per backend and dtype the first departing node and
-every node by layer: a grid of layers x nodes coloured by outcome, with the counts judged, passed,
-failed, not traced and inputs not traced per layer), the serving path (per backend and dtype the
-schedules, sequences, steps and tokens checked, the worst row, the features of the failing schedules;
-backends without a session listed as not supporting it), and each document's environment.
-
-With several documents, a backend that occurs in more than one is labelled ``backend · label``,
-the label being the document's (the file's name for ``gemma4-conformance-report merge``).
+``render(documents)`` returns the page as a string; ``write(path, documents)`` writes it.  The markup
+comes from ``templates/report.html.j2`` with autoescaping on; the only unescaped strings are the SVGs
+matplotlib draws.  What the page shows, section by section: docs/report.md.
 """
 
 from __future__ import annotations
