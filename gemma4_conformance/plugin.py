@@ -351,7 +351,7 @@ def pytest_sessionfinish(session, exitstatus):
     if getattr(config, "conformance_usage_error", None):
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
         return
-    if getattr(config, "conformance_collected", 0):
+    if getattr(config, "conformance_collected", 0) and not config.option.collectonly:  # nothing judged, no report
         write_reports(config)
     session.exitstatus = exit_status(config, exitstatus)
 

@@ -8,8 +8,11 @@ folder outside this checkout; to keep that fast, one long-lived Python process r
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import traceback
 import subprocess
 import sys
 from pathlib import Path
@@ -30,39 +33,42 @@ NOTHING = "no_test_has_this_name"
 
 def serve() -> None:
     """Read JSON argument lists from stdin, one a line; run pytest on each; answer {rc, out} a line."""
-    import contextlib
-    import io
-
     for line in sys.stdin:
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             try:
                 rc = int(pytest.main(json.loads(line)))
             except BaseException as e:  # noqa: BLE001 - what escaped pytest is what the user would see
-                import traceback
-
                 traceback.print_exc()
                 rc = -1 if not isinstance(e, SystemExit) else e.code
         sys.__stdout__.write(json.dumps({"rc": rc, "out": out.getvalue()}) + "\n")
         sys.__stdout__.flush()
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("usage")
-    server = subprocess.Popen([sys.executable, "-c", "from tests.test_usage_errors import serve; serve()"],
-                              cwd=folder, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+@contextlib.contextmanager
+def server(cwd: Path):
+    """A process running ``serve`` in ``cwd``: yields run(argument list) -> (exit status, output)."""
+    process = subprocess.Popen([sys.executable, "-c", "from tests.test_usage_errors import serve; serve()"],
+                               cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
 
-    def run(*args: str, select: str = NOTHING) -> tuple[int, str]:
-        server.stdin.write(json.dumps([*BASE, *args, "-k", select]) + "\n")
-        server.stdin.flush()
-        answer = json.loads(server.stdout.readline())
+    def run(args: list[str]) -> tuple[int, str]:
+        process.stdin.write(json.dumps(args) + "\n")
+        process.stdin.flush()
+        answer = json.loads(process.stdout.readline())
         return answer["rc"], answer["out"]
 
-    yield run
-    server.stdin.close()
-    server.wait(timeout=30)
+    try:
+        yield run
+    finally:
+        process.stdin.close()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    with server(tmp_path_factory.mktemp("usage")) as run_args:
+        yield lambda *args, select=NOTHING: run_args([*BASE, *args, "-k", select])
 
 
 def assert_usage_error(rc: int, out: str, *named: str) -> None:
