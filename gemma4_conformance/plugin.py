@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import InvalidArgument
 
 from gemma4_conformance import adapters, report
 from gemma4_conformance.adapters import DTYPES, AdapterError, DeviceError
@@ -103,7 +104,23 @@ def _backend_specs(option: str) -> list[str]:
             current = ""
         else:
             current += char
+    if depth or not specs:
+        raise pytest.UsageError(f"--backend: {'unbalanced brackets in' if depth else 'no backend in'} {option!r}; expected "
+                                f"names, comma-separated, each with options in one trailing bracket: name[key=value,...]")
     return specs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """A profile Hypothesis does not know is a usage error here, before Hypothesis's own plugin fails on it
+    with a traceback as it configures."""
+    profile = config.getoption("hypothesis_profile", None)
+    if profile is not None:
+        try:
+            settings.get_profile(profile)
+        except InvalidArgument:
+            raise pytest.UsageError(f"--hypothesis-profile: unknown {profile!r}; the suite's profiles are ci, default "
+                                    f"and thorough (and ci-unshrunk, the mutation study's)") from None
 
 
 def pytest_configure(config):

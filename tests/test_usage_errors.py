@@ -122,9 +122,18 @@ def _is_json(s: str) -> bool:
 
 
 @FUZZ
-@given(words.filter(lambda s: s.strip() and s.strip() not in (*available_builtins(), "all") and "," not in s))
+@given(st.one_of(
+    words.filter(lambda s: s.strip() and s.strip() not in (*available_builtins(), "all") and "," not in s),
+    st.sampled_from(["", ",", "torch[", "numpy]", "[", "torch[tf32=on", "numpy,torch[,"]),  # no name, or unbalanced
+))
 def test_an_unknown_backend(run, name):
     assert_usage_error(*run(f"--backend={name}"), "--backend")
+
+
+@FUZZ
+@given(words.filter(lambda s: s.strip() not in ("ci", "default", "thorough", "ci-unshrunk")))
+def test_an_unknown_hypothesis_profile(run, profile):
+    assert_usage_error(*run(f"--hypothesis-profile={profile}"), "--hypothesis-profile")
 
 
 @FUZZ
