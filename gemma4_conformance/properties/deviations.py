@@ -31,7 +31,7 @@ from gemma4_conformance.spec import OP_NAMES
 from .relations import RELATIONS
 
 FORWARD = "forward"
-SHIPPED = Path(__file__).resolve().parent.parent / "deviations"  # NAME.yaml: measured and explained in README.md
+SHIPPED = Path(__file__).resolve().parent.parent / "deviations"  # NAME.yaml: measured and explained in docs/engines.md
 TRACE = "trace"  # the per-node verdicts of a forward's trace (properties/trace.py)
 SERVING = "serving"  # the serving test's verdict (properties/test_serving.py)
 
