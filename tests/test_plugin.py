@@ -228,6 +228,6 @@ def test_a_partial_adapters_unsupported_ops_are_one_line_not_a_skip_per_test(tmp
     assert outcomes(doc)["silu"] == outcomes(doc)["rope"] == "unsupported"
     assert "does not implement" not in out  # no line per skipped test in pytest's -ra summary
     lines = [line for line in out.splitlines() if "unsupported:" in line]
-    assert lines == ["minimal  unsupported: 2 ops not implemented, skipped with the theorems that need them: "
+    assert lines == ["minimal  unsupported: 2 ops not implemented, skipped with every test that needs them: "
                      "silu, rope"], out[-3000:]
     assert re.search(r"\b\d+ unsupported\b", out.splitlines()[-1])  # counted apart from skips in pytest's last line

@@ -228,8 +228,8 @@ class Recorder:
             outcome = self.outcome(backend, dtype, "serving", r.outcome)
             lines.append(f"{backend:<8} {dtype:<9} {'serving':<15} {outcome:<11} " + serving_summary(r))
         for backend, ops in self.unsupported().items():
-            missing = [f"{len(ops)} op{'s' * (len(ops) != 1)} not implemented, skipped with the theorems that "
-                       f"need them: {', '.join(ops)}"] if ops else []
+            missing = [f"{len(ops)} op{'s' * (len(ops) != 1)} not implemented, skipped with every test that "
+                       f"needs them: {', '.join(ops)}"] if ops else []
             if any(r.outcome == "unsupported" for (b, _), r in self.serving.items() if b == backend):
                 missing.append("no session, so no serving path")
             lines.append(f"{backend:<8} unsupported: {'; '.join(missing)}")
