@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from gemma4_conformance.spec import CONTRACT, OP_NAMES
 from tests.test_usage_errors import server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,3 +121,8 @@ def test_the_readme_shows_the_commands_ci_runs():
     assert f"```bash\n{own_tests}\n```" in readme
     assert 'pip install --quiet -e ".[all]"' in ci and 'pip install -e ".[all]"' in readme
     assert re.search(r"^mkdocs build --strict\b", ci, re.MULTILINE)
+
+
+def test_the_readmes_list_of_ops_is_the_contracts():
+    listed = re.findall(r"`(\w+)\(([\w, ]*)\)`", (ROOT / "README.md").read_text())
+    assert listed == [(op, ", ".join(a.name for a in CONTRACT[op].args)) for op in OP_NAMES]
