@@ -69,7 +69,7 @@ def test_the_pages_show_commands_of_every_kind():
 
 
 @pytest.fixture(scope="module")
-def collect(tmp_path_factory):
+def collect():
     with server(ROOT) as run:
         yield run
 
