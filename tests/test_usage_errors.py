@@ -18,10 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from gemma4_conformance.adapters import DTYPES, available_builtins
+from gemma4_conformance.properties.relations import _rope_pairs
+from gemma4_conformance.properties.strategies import build
 from gemma4_conformance.spec import OP_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,6 +113,18 @@ def test_a_malformed_case(run, case):
 ])
 def test_a_case_of_another_test(run, case, select, expected):
     assert_usage_error(*run(f"--case={case}", "--ops=sigmoid,rope", select=select), "--case", expected)
+
+
+def test_a_theorems_case_without_the_key_the_theorem_reads(run):
+    """A case of RoPE fits rope's agreement test, but the theorem of relative positions also reads its shift."""
+    # Two rows of x at least: the theorem relates the first two (a query and a key), and has nothing to check in one.
+    case = find(_rope_pairs("float32"), lambda c: build("rope", c, "float32")[5].shape[0] >= 2,
+                settings=settings(database=None))
+    select = "test_relation_holds and float32 and rope_depends_on_relative_position"
+    rc, out = run(f"--case={json.dumps(case)}", "--ops=rope", select=select)
+    assert rc == 0, out[-3000:]  # as a failure prints it: it runs
+    del case["shift"]
+    assert_usage_error(*run(f"--case={json.dumps(case)}", "--ops=rope", select=select), "--case", "KeyError: 'shift'")
 
 
 def _is_json(s: str) -> bool:
