@@ -22,16 +22,16 @@ from hypothesis.errors import InvalidArgument
 
 from gemma4_conformance import adapters, report
 from gemma4_conformance.adapters import DTYPES, AdapterError, DeviceError, numpy_backend
+from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.fixtures.checkpoint import CheckpointError
+from gemma4_conformance.fixtures.config import ConfigError
+from gemma4_conformance.properties import serving
 from gemma4_conformance.properties.deviations import (
     Deviations,
     DeviationsError,
     subject,
 )
 from gemma4_conformance.properties.record import Problem, Recorder, UnsupportedSkip
-from gemma4_conformance.fixtures import checkpoint, generate
-from gemma4_conformance.fixtures.checkpoint import CheckpointError
-from gemma4_conformance.fixtures.config import ConfigError
-from gemma4_conformance.properties import serving
 from gemma4_conformance.properties.relations import RELATIONS
 from gemma4_conformance.properties.strategies import build
 from gemma4_conformance.spec import OP_NAMES
@@ -308,8 +308,8 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_report_teststatus(report, config):
     """A test skipped for an op the adapter lacks counts as "unsupported", not "skipped": pytest's -ra
-    summary leaves it out (one line per test, 60 for a three-op adapter), and the plugin's summary
-    names each adapter's unsupported ops once."""
+    summary leaves it out (it would say so once per test and dtype), and the plugin's summary names each
+    adapter's unsupported ops once."""
     if getattr(report, "conformance_unsupported", False):
         return "unsupported", "u", "UNSUPPORTED"
     return None
