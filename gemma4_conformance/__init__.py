@@ -6,5 +6,5 @@
     fixtures/    model configs, checkpoint loading and generation
     report/      the JSON and HTML tolerance reports
 
-Run it with ``pytest --pyargs gemma4_conformance --backend=NAME`` (see the README).
+Run it with ``pytest --pyargs gemma4_conformance --backend=NAME`` (see the README and docs/).
 """

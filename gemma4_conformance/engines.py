@@ -8,7 +8,7 @@ Each engine (ENGINES: the built-in backends that wrap a real inference engine, w
 the whole suite in a subprocess of its own, ops, theorems, forward and trace, with the
 known-deviations file the suite ships for it if there is one; its JSON report goes to
 ``OUT/<engine>.json``, and all of them to one page, ``OUT/engines.html``.  The command prints the
-table of verdicts per engine and dtype in Markdown (the README's table is this output) and exits 1
+table of verdicts per engine and dtype in Markdown (docs/engines.md's table is this output) and exits 1
 if an engine is not conformant, 6 if one broke the contract.
 """
 

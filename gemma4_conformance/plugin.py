@@ -5,23 +5,8 @@ root conftest.py) and is asked for by name anywhere else, so an engine's other t
 
     pytest -p gemma4_conformance.plugin --pyargs gemma4_conformance --backend=myengine
 
-Its hooks touch only the suite's own tests, even in a run that collects others too.
-
-    pytest --backend=torch                    every op of torch in every dtype it supports
-    pytest --backend=all --dtype=bfloat16     every installed built-in backend, bf16 only
-    pytest --backend=mypkg.engine:Adapter     an adapter object, class or factory by path
-    pytest --backend=torch,torch-sdpa --device=cuda   torch's eager and fused kernels on the GPU
-    pytest --backend=torch --ops=rmsnorm,softmax  those ops only (and the theorems that relate them)
-    pytest --hypothesis-profile=thorough      more examples (profiles: ci, default, thorough)
-    pytest --weights=/path/to/gemma-4-12B     the full forward on real weights
-    pytest ... --case='<json>'                rerun exactly one failing case (printed on failure)
-    pytest ... --known-deviations=FILE        failures the backend's authors have accepted (deviations.py)
-    pytest --judge-traces=FILE --weights=CKPT  a run recorded anywhere, judged from its trace file (judge.py)
-    pytest --backend=torch --record-traces=DIR  each forward run also written as a trace file, to judge anywhere
-
-The exit status tells a CI gate what happened (EXIT_CODES below): 0 conformant, 1 not conformant,
-6 an adapter or the suite broke (raised, or broke the contract, or a report could not be written),
-and pytest's own codes otherwise.
+Its hooks touch only the suite's own tests, even in a run that collects others too.  Its options, the
+summary and the exit codes (EXIT_CODES below): docs/running.md and the README.
 """
 
 from __future__ import annotations
@@ -31,20 +16,27 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import threadpoolctl
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import InvalidArgument
 
 from gemma4_conformance import adapters, report
-from gemma4_conformance.adapters import DTYPES, AdapterError, DeviceError
+from gemma4_conformance.adapters import DTYPES, AdapterError, DeviceError, numpy_backend
+from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.fixtures.checkpoint import CheckpointError
+from gemma4_conformance.fixtures.config import ConfigError
+from gemma4_conformance.properties import serving
 from gemma4_conformance.properties.deviations import (
     Deviations,
     DeviationsError,
     subject,
 )
-from gemma4_conformance.properties.record import Problem, Recorder
+from gemma4_conformance.properties.record import Problem, Recorder, UnsupportedSkip
 from gemma4_conformance.properties.relations import RELATIONS
+from gemma4_conformance.properties.strategies import build
 from gemma4_conformance.spec import OP_NAMES
 
 # Its trace-file options (--judge-traces, --record-traces) and their hooks live in their own module.
@@ -118,7 +110,23 @@ def _backend_specs(option: str) -> list[str]:
             current = ""
         else:
             current += char
+    if depth or not specs:
+        raise pytest.UsageError(f"--backend: {'unbalanced brackets in' if depth else 'no backend in'} {option!r}; expected "
+                                f"names, comma-separated, each with options in one trailing bracket: name[key=value,...]")
     return specs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """A profile Hypothesis does not know is a usage error here, before Hypothesis's own plugin fails on it
+    with a traceback as it configures."""
+    profile = config.getoption("hypothesis_profile", None)
+    if profile is not None:
+        try:
+            settings.get_profile(profile)
+        except InvalidArgument:
+            raise pytest.UsageError(f"--hypothesis-profile: unknown {profile!r}; the suite's profiles are ci, default "
+                                    f"and thorough (and ci-unshrunk, the mutation study's)") from None
 
 
 def pytest_configure(config):
@@ -128,14 +136,15 @@ def pytest_configure(config):
     config.conformance_reports = []  # (line, written) per report: where it was written, or why it was not
     dtypes = [d.strip() for d in config.getoption("--dtype").split(",") if d.strip()]
     unknown = sorted(set(dtypes) - set(DTYPES))
-    if unknown:
-        raise pytest.UsageError(f"--dtype: unknown {unknown}; choose among {', '.join(DTYPES)}")
+    if unknown or not dtypes:
+        raise pytest.UsageError(f"--dtype: {f'unknown {unknown}' if unknown else 'none given'}; choose among "
+                                f"{', '.join(DTYPES)}")
     config.conformance_dtypes = dtypes
     ops = config.getoption("--ops")
     ops = OP_NAMES if ops is None else tuple(o.strip() for o in ops.split(",") if o.strip())
     unknown = sorted(set(ops) - set(OP_NAMES))
     if unknown or not ops:
-        raise pytest.UsageError(f"--ops: unknown {unknown or 'none given'}; the ops are {', '.join(OP_NAMES)}")
+        raise pytest.UsageError(f"--ops: {f'unknown {unknown}' if unknown else 'none given'}; the ops are {', '.join(OP_NAMES)}")
     config.conformance_ops = ops
     loaded = {}
     for spec in _backend_specs(config.getoption("--backend")):
@@ -156,14 +165,55 @@ def pytest_configure(config):
         config.conformance_deviations = Deviations.load(config.getoption("--known-deviations"))
     except DeviationsError as e:
         raise pytest.UsageError(f"--known-deviations: {e}") from None
-    case = config.getoption("--case")
-    if case is not None:
+    check_options(config)
+
+
+def check_options(config) -> None:
+    """What the options above do not check as they are read: --case, --weights and the report paths.
+    A bad value is a usage error (exit 4) naming the option, before any test runs; never a traceback."""
+    text = config.getoption("--case")
+    config.conformance_case = None
+    if text is not None:
         try:
-            config.conformance_case = json.loads(case)
+            config.conformance_case = json.loads(text)
         except json.JSONDecodeError as e:
-            raise pytest.UsageError(f"--case is not valid JSON: {e}") from None
-    else:
-        config.conformance_case = None
+            raise pytest.UsageError(f"--case is not valid JSON ({e}); expected the JSON object a failure printed "
+                                    f"after --case=") from None
+        if not isinstance(config.conformance_case, dict):
+            raise pytest.UsageError(f"--case: expected the JSON object a failure printed after --case=, got "
+                                    f"{type(config.conformance_case).__name__} {text[:80]!r}")
+    weights = config.getoption("--weights")
+    if weights is not None:
+        try:
+            checkpoint.load(weights)  # the config and the safetensors headers: no tensor is read
+        except (CheckpointError, ConfigError) as e:
+            raise pytest.UsageError(f"--weights: {e}") from None
+    for option in ("--report-html", "--report-json"):
+        path = config.getoption(option)
+        if path and Path(path).is_dir():
+            raise pytest.UsageError(f"--{option[2:]}: {path} is a folder; expected the path of the file to write")
+
+
+def check_case_fits(config, items) -> None:
+    """Each collected test that takes --case can build its inputs from it, so a case of another test or
+    a truncated one is a usage error before any test runs, not a KeyError in the middle of the run."""
+    case = config.conformance_case
+    for item in items:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        try:
+            if "op" in params:
+                build(params["op"], case, params["dtype"])
+            elif "relation" in params:
+                # The theorem checked on the suite's numpy backend, which holds every theorem: what a case
+                # lacks (a key the theorem reads beside the op's arguments) shows as an exception here.
+                RELATIONS[params["relation"]].check(numpy_backend, case, params["dtype"])
+            elif "serving_dtype" in params:
+                serving.validate(case, generate.small_config()["sliding_window"])
+        except Exception as e:  # noqa: BLE001 - whatever the malformed case broke, the user is told
+            what = ("a serving schedule" if "serving_dtype" in params else
+                    f"a case of {params.get('op') or ' or '.join(RELATIONS[params['relation']].ops)}")
+            raise pytest.UsageError(f"--case does not fit {item.nodeid}: expected {what} as a failure of that test "
+                                    f"printed it ({type(e).__name__}: {e})") from None
 
 
 def backend_dtypes(config):
@@ -235,6 +285,7 @@ def in_suite(item) -> bool:
     return _suite_module(getattr(item, "module", None))
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m deselect: a --case is checked against the tests that will run
 def pytest_collection_modifyitems(config, items):
     """The 12B test runs only when asked for (-m slow); known deviations turn into non-strict xfails."""
     if not config.option.markexpr:
@@ -243,6 +294,18 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=slow)
             items[:] = [item for item in items if item not in slow]
     suite = [item for item in items if in_suite(item)]
+    if config.conformance_case is not None:
+        try:
+            check_case_fits(config, suite)
+        except pytest.UsageError as e:
+            if not hasattr(config, "workerinput"):
+                raise
+            # A usage error raised in a pytest-xdist worker crashes the run: the worker runs nothing and
+            # the controller says it and exits 4.
+            config.conformance_usage_error = str(e)
+            config.hook.pytest_deselected(items=list(items))
+            items[:] = []
+            return
     config.conformance_deviations.mark(suite)
     config.conformance_collected = len(suite)
 
@@ -264,7 +327,18 @@ def pytest_runtest_makereport(item, call):
         recorder.excused[name, dtype, what] = entry.reason
     elif rep.failed and (rep.when != "call" or call.excinfo is not None and is_broken(call.excinfo.value)):
         recorder.problems.append(Problem(item.nodeid, rep.when, call.excinfo.exconly()[:2000]))
+    if call.excinfo is not None and call.excinfo.errisinstance(UnsupportedSkip):
+        rep.conformance_unsupported = True  # an attribute, so that it travels from an xdist worker
     return rep
+
+
+def pytest_report_teststatus(report, config):
+    """A test skipped for an op the adapter lacks counts as "unsupported", not "skipped": pytest's -ra
+    summary leaves it out (it would say so once per test and dtype), and the plugin's summary names each
+    adapter's unsupported ops once."""
+    if getattr(report, "conformance_unsupported", False):
+        return "unsupported", "u", "UNSUPPORTED"
+    return None
 
 
 def is_broken(error: BaseException) -> bool:
@@ -311,7 +385,10 @@ def pytest_sessionfinish(session, exitstatus):
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller merges, reports and decides
         config.workeroutput[WORKER_OUTPUT] = json.dumps(_worker_results(config))
         return
-    if getattr(config, "conformance_collected", 0):
+    if getattr(config, "conformance_usage_error", None):
+        session.exitstatus = pytest.ExitCode.USAGE_ERROR
+        return
+    if getattr(config, "conformance_collected", 0) and not config.option.collectonly:  # nothing judged, no report
         write_reports(config)
     session.exitstatus = exit_status(config, exitstatus)
 
@@ -325,7 +402,7 @@ def _worker_results(config) -> dict:
     deviations = [{"matched": e.matched, "excused": e.excused, "passed": e.passed}
                   for e in config.conformance_deviations.entries]
     return {"collected": getattr(config, "conformance_collected", 0), "recorder": config.conformance_recorder.export(),
-            "deviations": deviations}
+            "deviations": deviations, "usage_error": getattr(config, "conformance_usage_error", None)}
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown to pytest without it
@@ -335,6 +412,8 @@ def pytest_testnodedown(node, error):
     output = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT)
     if output is not None:
         results = json.loads(output)
+        if results["usage_error"]:
+            config.conformance_usage_error = results["usage_error"]
         config.conformance_collected = max(getattr(config, "conformance_collected", 0), results["collected"])
         config.conformance_recorder.merge(results["recorder"])
         for entry, state in zip(config.conformance_deviations.entries, results["deviations"]):
@@ -349,6 +428,9 @@ def pytest_testnodedown(node, error):
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if getattr(config, "conformance_usage_error", None):  # a worker's (pytest says the controller's own)
+        terminalreporter.write_line(f"ERROR: {config.conformance_usage_error}", red=True)
+        return
     recorder = getattr(config, "conformance_recorder", None)
     if recorder is None or not getattr(config, "conformance_collected", 0):
         return  # not a run of the suite's tests

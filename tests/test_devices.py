@@ -228,7 +228,7 @@ def test_jax_sdpa_passes_its_attention_on_the_cpu_in_bf16_and_fp16_where_jit_bre
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a finding about XLA on the CPU")
 def test_finding_jitted_jax_dot_product_attention_raises_on_the_cpu_in_fp16_and_on_1x1x1_in_bf16():
     """Why jax_sdpa.py calls it eagerly (jax 0.10.2). When this fails, JAX fixed it: update jax_sdpa.py and
-    the README."""
+    docs/gpu.md."""
     def attend(q):
         return jax.nn.dot_product_attention(q, q, q, scale=1.0)
 

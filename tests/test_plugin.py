@@ -218,3 +218,16 @@ def test_only_a_failure_beyond_budget_counts_as_nonconformance():
     assert is_broken(AssertionError("the suite's own check"))
     assert not is_broken(BaseExceptionGroup("two", [pytest.fail.Exception("a"), pytest.fail.Exception("b")]))
     assert is_broken(BaseExceptionGroup("two", [pytest.fail.Exception("a"), ValueError("b")]))
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]])
+def test_a_partial_adapters_unsupported_ops_are_one_line_not_a_skip_per_test(tmp_path, workers):
+    status, out, doc = suite(tmp_path, "--backend=examples.minimal_adapter:MinimalAdapter", "--ops=sigmoid,silu,rope",
+                             "-ra", "-k", "test_matches_oracle or test_relation_holds", *workers)
+    assert status == EXIT_CONFORMANT, out[-3000:]
+    assert outcomes(doc)["silu"] == outcomes(doc)["rope"] == "unsupported"
+    assert "does not implement" not in out  # no line per skipped test in pytest's -ra summary
+    lines = [line for line in out.splitlines() if "unsupported:" in line]
+    assert lines == ["minimal  unsupported: 2 ops not implemented, skipped with every test that needs them: "
+                     "silu, rope"], out[-3000:]
+    assert re.search(r"\b\d+ unsupported\b", out.splitlines()[-1])  # counted apart from skips in pytest's last line

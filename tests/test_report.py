@@ -56,6 +56,7 @@ def make_recorder(backend: str = "torch") -> Recorder:
     _record(recorder, backend, "bfloat16", "linear", [], 0.0, "unsupported")
     _record(recorder, backend, "float32", "rope", [3.0, 3.5], 4.5, "passed")  # headroom 1.29: orange
     _record(recorder, backend, "float32", "silu", [0.0, 0.0], 9.5, "passed")  # exact: infinite headroom
+    _record(recorder, backend, "bfloat16", "rmsnorm_unit", [0.3, 0.5], 0.501, "passed")  # one rounding: correctly rounded
     sigmoid = _record(recorder, backend, "float32", "sigmoid", [], 0.0, "errored", "returned float64 for float32 input")
     sigmoid.worst_command = ROPE_COMMAND.replace("torch", backend).replace("bfloat16-rope", "float32-sigmoid")
     _record(recorder, backend, "float32", "softcap", [0.5, 40.0], 9.5, "failed", "error 40 ULPs > budget 9.5")
@@ -160,7 +161,7 @@ def test_a_result_entry_carries_the_measurements_budget_and_rerun(doc):
     # Sorted by dtype in the suite's order, then op in the contract's.
     assert [(r["dtype"], r["op"]) for r in doc["results"]] == [
         ("float32", "sigmoid"), ("float32", "silu"), ("float32", "softcap"), ("float32", "rope"),
-        ("bfloat16", "rope"), ("bfloat16", "linear"), ("bfloat16", "softmax")]
+        ("bfloat16", "rmsnorm_unit"), ("bfloat16", "rope"), ("bfloat16", "linear"), ("bfloat16", "softmax")]
 
 
 def test_the_worst_example_is_the_one_nearest_its_budget_not_the_largest_error():
@@ -233,9 +234,12 @@ def test_an_adapter_without_a_session_is_listed_as_not_supporting_the_serving_pa
     recorder.serving["minimal", "float32"] = ServingRecord("minimal", "float32", "unsupported")
     [entry] = report.document(recorder, {})["serving"]
     assert entry["outcome"] == "unsupported" and entry["worst"] is None and entry["tokens"] == 0
-    section = _section(report.render([report.document(recorder, {})]), "serving", "environment")
+    page = report.render([report.document(recorder, {})])
+    section = _section(page, "serving", "environment")
     assert "minimal" in section and "not supported (no session)" in section
-    assert any("minimal" in line and "no session" in line for line in recorder.table())
+    assert "no session, so no serving path" in _section(page, "conformance", "matrix")
+    assert [line for line in recorder.table() if "no session" in line] == [
+        "minimal  unsupported: no session, so no serving path"]
 
 
 def test_the_histogram_is_capped_and_keeps_the_extremes():
@@ -324,10 +328,14 @@ def matrix(page):
 
 def test_the_matrix_has_every_op_coloured_by_headroom(page):
     rows = matrix(page)
-    assert set(rows) == {"sigmoid", "silu", "softcap", "rope", "linear", "softmax", "forward", "trace", "serving"}
+    assert set(rows) == {"sigmoid", "silu", "softcap", "rmsnorm_unit", "rope", "linear", "softmax", "forward", "trace",
+                         "serving"}
     assert rows["softcap"] == ["known", "none"]
     # Columns: float32 then bfloat16, one backend each.
-    assert rows["rope"] == ["warn", "fail"]
+    assert rows["rope"] == ["warn", "fail"]  # headroom 1.29: near its budget
+    # 0.5 ULP against a budget of one rounding (0.501): correctly rounded, neither near failing nor close to budget.
+    assert rows["rmsnorm_unit"] == ["none", "cr"] and "correctly rounded" in page
+    assert "rmsnorm_unit" not in _section(page, "closest", "histograms")
     assert rows["softmax"] == ["none", "ok"] and rows["linear"] == ["none", "unsup"]
     assert rows["sigmoid"] == ["fail", "none"] and rows["silu"] == ["ok", "none"]
     assert rows["forward"] == ["fail", "ok"] and rows["trace"] == ["none", "fail"]
@@ -450,3 +458,8 @@ def test_the_command_names_a_bad_input_file(tmp_path, capsys):
     assert main(["html", str(tmp_path / "out.html"), str(bad)]) == 2
     assert str(bad) in capsys.readouterr().err
     assert not (tmp_path / "out.html").exists()
+
+
+def test_each_backends_unsupported_ops_and_serving_are_one_line(page):
+    section = _section(page, "conformance", "matrix")
+    assert section.count("not implemented") == 1 and "1 op not implemented: linear" in section

@@ -247,7 +247,7 @@ def test_the_serving_path_in_the_gate(tmp_path):
     assert "against the reference" in failed["message"] and failed["worst"]["ratio"] > 100
     assert f"got logits float32 [{V}]; expected a dict with exactly the ids" in broke["message"]
     assert [p["test"].split("[")[1] for p in doc["problems"]] == ["numpy-last-row-only-float32]"]
-    assert "serving         unsupported no session" in out
+    assert "minimal  unsupported: no session, so no serving path" in out  # one line for the adapter
     for entry, exit_status in ((failed, EXIT_NOT_CONFORMANT), (broke, EXIT_BROKEN)):
         assert "--case=" in entry["rerun"]
         done = rerun_elsewhere(tmp_path, entry["rerun"])

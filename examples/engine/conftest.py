@@ -1,5 +1,5 @@
 """The engine's own pytest options: they live beside the suite's without a clash (an option named like one
-of the suite's, such as --backend or --device, would clash: the README says what to do then)."""
+of the suite's, such as --backend or --device, would clash: docs/ci.md says what to do then)."""
 
 
 def pytest_addoption(parser):

@@ -1,37 +1,8 @@
-"""Candidate backends, and how the suite finds them.
+"""Candidate backends, and how the suite finds them: ``load(spec, device=...)`` resolves a ``--backend``
+spec (a built-in name, an entry point of the group ``gemma4_conformance.adapters``, or a
+``module:attribute`` path, with optional ``[key=value,...]`` options for a class or factory).
 
-An adapter is any object with:
-
-* ``name``: a short string for reports;
-* ``dtypes``: the dtype names it supports, a subset of ``float64``, ``float32``, ``bfloat16``,
-  ``float16``;
-* one method per op of ``spec.CONTRACT``, with the oracle's name and argument order.  Floating
-  arrays arrive as numpy arrays in the dtype under test (``ml_dtypes.bfloat16`` for bf16), integer
-  arrays as int64, masks as bool, scalars as Python numbers (``cap`` may be None); the method returns
-  a numpy array of the same dtype and the contract's shape.  ``inv_freq`` has no floating input and
-  also takes ``dtype=`` (the dtype name).
-
-An op the adapter lacks is *unsupported*: the suite skips it and says so.  A module is a fine adapter
-(see ``numpy_backend.py``).  Optionally, ``device`` names where its ops run (``"cpu"``, ``"cuda:0"``) and
-``environment()`` returns a JSON-able dict of that device and the math modes in force (the report
-shows both per backend); ``transfer_seconds``, a running total of the seconds spent moving arrays to
-and from the device, lets the suite split the backend's time.
-
-``load(spec)`` resolves, in order: a built-in name (``numpy``, ``torch``, ``torch-sdpa``, ``jax``, ``jax-sdpa``,
-``transformers``, ``transformers-eager``); a name registered
-by an installed package under the entry-point group ``gemma4_conformance.adapters``; or a module
-path, optionally ``module:attribute``.  The object found may be the adapter itself, a class, or a factory, which
-is called with no arguments.
-
-A spec may end in options for the factory, ``name[key=value,...]`` (``torch-sdpa[kernel=flash]``): each is
-passed to the class or factory as a keyword argument whose value is the string after ``=``; the factory
-checks them and names the adapter after them, so that two settings of one engine are told apart in a
-run and in its report.  An adapter object or a module takes no options.
-
-``load(spec, device=...)`` passes the run's device (``--device``) to a class or factory that has a
-``device`` parameter, unless the spec gives its own ``device=`` option; the factory raises
-``DeviceError`` for a device it cannot use or that is not there, saying what it found.  Other adapters
-run where they run (the numpy backend on the CPU).
+What an adapter is and what its ops receive and return: docs/adapter.md.
 """
 
 from __future__ import annotations

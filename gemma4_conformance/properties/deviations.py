@@ -31,7 +31,7 @@ from gemma4_conformance.spec import OP_NAMES
 from .relations import RELATIONS
 
 FORWARD = "forward"
-SHIPPED = Path(__file__).resolve().parent.parent / "deviations"  # NAME.yaml: measured and explained in README.md
+SHIPPED = Path(__file__).resolve().parent.parent / "deviations"  # NAME.yaml: measured and explained in docs/engines.md
 TRACE = "trace"  # the per-node verdicts of a forward's trace (properties/trace.py)
 SERVING = "serving"  # the serving test's verdict (properties/test_serving.py)
 
@@ -153,6 +153,8 @@ def _read(path: Path) -> list[Deviation]:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise DeviationsError(f"{path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise DeviationsError(f"{path}: not UTF-8 text (byte {e.start}): expected YAML") from None
     except yaml.YAMLError as e:
         raise DeviationsError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("backend"), str) or not data["backend"]:

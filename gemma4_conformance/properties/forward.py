@@ -1,36 +1,8 @@
-"""The full forward: a backend's run of the whole model against a certified reference and a plain baseline.
+"""The full forward: a backend's run of the whole model against a certified float64 reference and a
+plain same-dtype baseline (``reference``, ``composed``, ``judge_forward``, ``local_errors``), and the
+forward's contract (``check_output``, which raises ContractViolation saying what was expected).
 
-* The *reference* is the spec's graph (spec.model.forward) run with the numpy ops in float64, and
-  *certified* as it runs: every output of every op call is recomputed by the oracle from the same
-  inputs (on the 12B geometry, a sample of the largest calls' outputs), and must lie within that op's
-  float64 budget. So the reference is known to the precision its error model states, not assumed.
-* The *candidate* is the backend's own ``forward(weights, config, tokens, dtype, checkpoint=None)``
-  when it has one, else the same graph run with its ops in the dtype under test (which then also
-  records every node's output: the trace that properties/trace.py judges node by node).
-* The *baseline* is the graph run with the suite's numpy ops in the dtype, rounding to it at every
-  op boundary: what a plain implementation in that dtype achieves.
-
-Verdict (FlashAttention-style), against what the baseline does in the same dtype, above an absolute
-floor of FLOOR unit roundoffs:
-
-* With hidden states, each layer is judged on its *own* error (``local_errors``: the stream reset to
-  the candidate's at every layer, so nothing compounds): at most FACTOR times the baseline's on the
-  same input, per layer and for the head (final norm, LM head: logits and log-probabilities).  The
-  accumulated errors (each layer and the logits against the reference run from the tokens) may be at
-  most ACCUMULATED times the baseline's.
-* Without hidden states only the accumulated errors of the logits can be judged, at ACCUMULATED (a
-  correct session's logits were 3.3 to 4.1 x the baseline's on one token list, its ops' own errors
-  at most 1.13 x): a wider allowance than the own errors' FACTOR, so return hidden states to be
-  judged layer by layer.
-* Either way its top-1 token must match the reference's wherever the reference's margin exceeds
-  what two logits, each off by the allowed accumulated error, could flip.
-
-The forward contract (``check_output``): ``logits`` exactly ``[T, V]`` in the dtype under test or
-wider; ``hidden_states``, when given, one ``[T, H]`` array per layer; ``trace``, when given, a dict of
-graph nodes to arrays of the node's size.  Anything else (the last position's logits only, a batch
-axis, a padded vocabulary, the embedding output counted as a hidden state, a node that does not
-exist, NaN where the reference is finite) is a ContractViolation that says what was expected: the
-adapter broke (exit 6), which is never a numerical verdict.
+The verdict is explained in docs/verdict.md (the full forward), the contract in docs/adapter.md (the forward).
 """
 
 from __future__ import annotations

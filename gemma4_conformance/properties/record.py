@@ -6,12 +6,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import pytest
+
+from gemma4_conformance.spec import OP_NAMES
 
 
 # Informative examples an op x dtype needs to count as established: an example whose allowance admits
 # a trivially wrong answer (zeros, the sign flipped, attention's uniform weights or a zeroed head)
 # passed, but says nothing about whether the backend computes the op.
 MIN_INFORMATIVE = 3
+
+
+class UnsupportedSkip(pytest.skip.Exception):
+    """A test skipped because the adapter lacks what it needs (an op, a forward, a session): the plugin
+    names the adapter's unsupported ops once in its summary, not once per test in pytest's."""
 
 
 def reported(outcome: str, deviation: str) -> str:
@@ -186,11 +194,21 @@ class Recorder:
     def outcome(self, backend: str, dtype: str, subject: str, outcome: str) -> str:
         return reported(outcome, self.excused.get((backend, dtype, subject), ""))
 
+    def unsupported(self) -> dict[str, list[str]]:
+        """Per backend that lacks something, the ops it does not implement, in the contract's order."""
+        found = {r.backend: set() for r in self.serving.values() if r.outcome == "unsupported"}
+        for r in self.records.values():
+            if r.outcome == "unsupported":
+                found.setdefault(r.backend, set()).add(r.op)
+        return {backend: [op for op in OP_NAMES if op in ops] for backend, ops in sorted(found.items())}
+
     def table(self) -> list[str]:
         """The terminal summary: one line per backend x dtype x op, the forward verdicts, failed relations."""
         lines = [f"{'backend':<8} {'dtype':<9} {'op':<15} {'outcome':<15} {'examples':>8} {'inform.':>7} "
                  f"{'ULPs':>10} {'budget':>9} {'headroom':>9}"]
         for r in sorted(self.records.values(), key=lambda r: (r.backend, r.dtype, r.op)):
+            if r.outcome == "unsupported":  # one line per backend, below
+                continue
             outcome = self.outcome(r.backend, r.dtype, r.op, r.outcome)
             lines.append(f"{r.backend:<8} {r.dtype:<9} {r.op:<15} {outcome:<15} {r.examples:>8} {r.informative:>7} "
                          f"{r.worst_ulps:>10.3g} {r.budget:>9.3g} {r.headroom:>9.3g}")
@@ -211,8 +229,16 @@ class Recorder:
             outcome = self.outcome(backend, dtype, "trace", "failed" if v.failures else "passed")
             lines.append(f"{backend:<8} {dtype:<9} {'trace':<15} {outcome:<15} {v.summary()}")
         for (backend, dtype), r in sorted(self.serving.items()):
+            if r.outcome == "unsupported":  # in the backend's line below
+                continue
             outcome = self.outcome(backend, dtype, "serving", r.outcome)
             lines.append(f"{backend:<8} {dtype:<9} {'serving':<15} {outcome:<11} " + serving_summary(r))
+        for backend, ops in self.unsupported().items():
+            missing = [f"{len(ops)} op{'s' * (len(ops) != 1)} not implemented, skipped with every test that "
+                       f"needs them: {', '.join(ops)}"] if ops else []
+            if any(r.outcome == "unsupported" for (b, _), r in self.serving.items() if b == backend):
+                missing.append("no session, so no serving path")
+            lines.append(f"{backend:<8} unsupported: {'; '.join(missing)}")
         if self.relations:
             counts = {o: sum(r.outcome == o for r in self.relations.values()) for o in ("passed", "unsupported")}
             lines.append(f"theorems of the spec: {counts['passed']} held, "

@@ -1,29 +1,9 @@
-"""The serving path: KV-cache decoding, chunked prefill and continuous batching against the reference.
+"""The serving path: schedules of KV-cache decoding, chunked prefill and continuous batching played on
+an adapter's ``session`` (``schedules``, ``every_feature``, ``run``), every returned logit row judged
+against the reference (``judge``), and ``--case`` schedules checked (``validate``).
 
-The contract (optional, beside ``forward``; the built-in backends' is adapters/session.py)::
-
-    session = adapter.session(weights, config, dtype, checkpoint=None)   # the model loaded once
-    logits = session.step({seq: tokens, ...})   # seq: int id; tokens: int64 [n] the sequence appends now
-    # -> {seq: float array [n, V] in dtype or wider}: the logits of exactly those positions
-    session.release(seq)                        # done; the id may be used again, and starts empty
-    session.close()                             # optional
-
-A *schedule* says which sequences run when: each sequence has an id (ids are reused once released),
-the step it joins at, its prompt as one chunk or several, and how many decode steps of one token
-follow; it is released after its last step.  One step carries a piece of every live sequence, so
-prefill chunks and decode steps share steps.  Sequence k of a schedule reads document k % DOCUMENTS
-(fixed token lists, teacher forcing: nothing is sampled), so a schedule is a small JSON-able dict
-that ``--case`` replays exactly.
-
-Verdict, per sequence and dtype: a causal model's logits at a position depend only on the tokens up
-to it, so the rows a session returns for a sequence of length L are judged against the first L rows
-of the reference prefill of its document (the float64 reference of forward.py, the graph run with
-the numpy ops in float64; forward.py's test certifies that code path against the oracle on the same
-checkpoint), with the plain same-dtype baseline (the numpy ops composed, one prefill of the
-document) as the allowance: ``forward.judge_forward`` on the sequence's rows, as it judges a forward
-that gives logits only (its floor, top-1 and factor for accumulated errors, FACTOR below).  The same
-verdict also compares the stepped rows with the session's own one-call prefill of the same tokens,
-which needs no reference.
+The verdict is explained in docs/verdict.md (the serving path), the session's contract in
+docs/adapter.md (the session).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from .harness import ContractViolation, Unsupported, judge, rerun_command
 from .real_size import real_size_cases
-from .record import MIN_INFORMATIVE
+from .record import MIN_INFORMATIVE, UnsupportedSkip
 from .strategies import cases, edge_cases
 
 
@@ -20,7 +20,7 @@ def check(request, backend, adapter, dtype, op, case):
         verdict = judge(adapter, op, case, dtype)
     except Unsupported as e:
         record.outcome = "unsupported"
-        pytest.skip(str(e))
+        raise UnsupportedSkip(str(e)) from None
     except ContractViolation as e:
         record.broke(str(e), case, command)
         raise ContractViolation(f"{e}\n  rerun: {command}") from None

@@ -20,6 +20,7 @@ from gemma4_conformance.spec.model import OPS_USED
 from .forward import check_finite, composed, drawn_tokens, judge_forward, local_errors, reference, run_seed
 from .harness import ContractViolation, rerun_command
 from .recorded import record
+from .record import UnsupportedSkip
 from .trace import completed, judge_trace
 
 FORWARD_DTYPES = ("float32", "bfloat16", "float16")
@@ -62,7 +63,7 @@ def candidate_run(request, adapter, dtype: str, model, runs) -> dict:
         pytest.skip(f"{adapter.name} is not tested in {dtype} here")
     missing = [op for op in OPS_USED if not hasattr(adapter, op)]
     if missing and not hasattr(adapter, "forward"):
-        pytest.skip(f"{adapter.name} has no forward and does not implement {', '.join(missing)}")
+        raise UnsupportedSkip(f"{adapter.name} has no forward and does not implement {', '.join(missing)}")
     key = (adapter.name, dtype)
     if key in runs:
         if isinstance(runs[key], ContractViolation):

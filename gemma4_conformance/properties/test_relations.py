@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from .harness import rerun_command
+from .record import UnsupportedSkip
 from .relations import RELATIONS
 
 
@@ -16,7 +17,7 @@ def test_relation_holds(request, backend, adapter, dtype, relation):
     missing = [op for op in rule.ops if not hasattr(adapter, op)]
     if missing:
         record.outcome = "unsupported"
-        pytest.skip(f"{adapter.name} does not implement {', '.join(missing)}")
+        raise UnsupportedSkip(f"{adapter.name} does not implement {', '.join(missing)}")
 
     # The outcome is settled as each example is checked, not from what Hypothesis raises at the end:
     # two distinct bugs come as one exception group. Hypothesis replays each minimal case last, so

@@ -21,6 +21,7 @@ from gemma4_conformance.spec.model import forward
 
 from .forward import LONG_CONTEXT_OPS, AdapterOps, Certificate, drawn_tokens, judge_forward, run_seed
 from .harness import ContractViolation, rerun_command
+from .record import UnsupportedSkip
 from .serving import (
     EXAMPLES_SHARE,
     FACTOR,
@@ -54,7 +55,7 @@ def test_serving_matches_reference(request, backend, adapter, serving_dtype, doc
         (adapter.name, serving_dtype), ServingRecord(adapter.name, serving_dtype))
     if not hasattr(adapter, "session"):
         record.outcome = "unsupported"
-        pytest.skip(f"{adapter.name} does not support the serving path (it has no session)")
+        raise UnsupportedSkip(f"{adapter.name} does not support the serving path (it has no session)")
     window = documents.window
 
     def check(schedule):
@@ -74,10 +75,7 @@ def test_serving_matches_reference(request, backend, adapter, serving_dtype, doc
 
     case = request.config.conformance_case
     if case is not None:
-        try:
-            schedule = validate(case, window)
-        except ValueError as e:
-            raise pytest.UsageError(str(e)) from None
+        schedule = validate(case, window)  # a malformed one was refused before the run (plugin.check_case_fits)
         check(schedule)
         record.outcome = "passed"
         return
@@ -109,7 +107,7 @@ def test_serving_at_the_real_12b_geometry(request, backend, adapter, real_checkp
     none hide) on the rows around the wrap, against the certified float64 reference prefill and the
     plain baseline; the weights stream a layer at a time and the process stays under 8 GiB."""
     if not hasattr(adapter, "session"):
-        pytest.skip(f"{adapter.name} does not support the serving path (it has no session)")
+        raise UnsupportedSkip(f"{adapter.name} does not support the serving path (it has no session)")
     path, given, seconds = real_checkpoint
     timings = {"generation": seconds}
     weights = checkpoint.load(path)

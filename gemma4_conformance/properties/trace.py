@@ -1,46 +1,8 @@
 """Per-node verdicts from an engine's trace: where, op by op, a forward departs from the spec.
 
-An engine's forward may return a *trace*, its own intermediate at nodes of the spec's graph
-(spec.model.nodes: ``embed``, ``layers.{i}.q_proj``, ..., ``final_norm``, ``logits``).  Each traced
-node is judged on its own, as an op-level test would judge it: the node's op applied by the oracle
-to the engine's *own* inputs to that node, against that op's budget in the dtype under test
-(harness.assess).  Errors do not compound, so the first failing node names the op, the layer and
-the dtype where the engine departs.
-
-How (``judge_trace``):
-
-1. *Replay*.  spec.model.forward runs with ``Replay`` as its ops object: at every op call it returns
-   the trace's array for that node (reshaped, in row-major order, to the graph's array) and records
-   the call with its arguments, which are therefore the engine's own values: earlier nodes' traced
-   outputs, and the checkpoint's weights as the dtype under test sees them.  There is one graph;
-   nothing here re-describes the forward.  A size that does not fit the node is a contract breach,
-   found before anything is judged.  The forward's ``logits`` stand for the node ``logits`` and
-   ``hidden_states[i]`` for ``layers.{i}.layer_scalar`` when the trace omits them: they are the
-   engine's own outputs at those nodes.
-2. *Judge*.  Each recorded call is assessed on a sample of its outputs (the op table's samplers),
-   seeded by its place in the graph, with NODE_WORK multiply-adds of oracle work; an attention node
-   also on its last query, which sees the most keys and, past the sliding window, the window's edge,
-   where a drawn query may be an early one that sees neither.
-
-A node the trace omits is **not traced**.  The graph still needs a value there to go on, so the
-replay puts zeros of the node's shape, marked as untraced; a node with any such input is **inputs
-not traced** and is not judged either: judging it on a stand-in would blame it for what the
-untraced node did (an engine whose q_norm is wrong would have its RoPE fail on inputs it never
-saw).  The chain resumes at the next traced node, whose inputs are traced again.  So a departure in
-an untraced node cannot be located, only bracketed: the verdict names the nodes it could not judge.
-
-Dtypes.  An engine may keep some intermediates wider than the dtype under test (llama.cpp keeps
-every activation in float32 in a bf16 model; torch upcasts norms).  The oracle takes any input
-exactly, so a wider traced value is simply a more precise input; the output's error is counted in
-ULPs *of the dtype under test* at the op's scale, against that dtype's budget, whatever dtype the
-engine stored it in.
-
-Cost.  The oracle is slow (mpmath, about 4000 output coordinates a second including the exact
-rounding and the error in ULPs, the machine shared), so each node is judged on about one row (one
-query and KV head for attention, a dozen columns of one row for a projection): NODE_WORK = 1000
-multiply-adds.  The 955 nodes of the generated 48-layer model at 24 tokens then take ~15 s per
-engine and dtype on this 2-core machine; raise NODE_WORK as the oracle gets faster.  Every node is
-judged (not only up to the first failure), so the table by layer shows how far a departure spreads.
+``judge_trace`` replays the trace through the spec's graph (``Replay`` as its ops object), so each
+traced node's op gets the engine's own inputs, and judges each node against that op's budget in the
+dtype under test.  How, and what "not traced" and "inputs not traced" mean: docs/verdict.md (the trace).
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
 """The HTML page: one or several report documents on one self-contained page.
 
-``render(documents)`` returns the page as a string; ``write(path, documents)`` writes it.  The page
-fetches nothing (a Content-Security-Policy forbids it): styles and a few lines of script are inline,
-and every chart is an inline SVG drawn by matplotlib (Agg canvas, text kept as text).  The markup
-comes from ``templates/report.html.j2`` with autoescaping on; the only unescaped strings are the SVGs.
-
-Sections, in order: what broke (tests where the adapter raised or the suite errored), failures
-(every failed or errored op, failed theorem and failed forward, worst first, with the message and the
-command that reruns the worst case), known deviations (excused failures with their reasons, and
-entries that matched nothing or no longer deviate), % conformant per backend and dtype, the
-conformance matrix (ops x dtypes, backends side by side within a dtype; each cell the worst
-example's ULPs / its budget,
-coloured red failed, violet known deviation, orange passed with headroom under 1.5, green passed,
-blue not established (too few informative examples), grey unsupported; with the count of informative
-examples), the spec's theorems (held or not, same layout), the budget slack (per op and dtype, the
-budget over the worst error of the tightest passing backend), the passing ops closest to their
-budget with their rerun commands, the error histograms (one chart per backend x dtype, one panel per
-op, each example's error as a fraction of its budget), the full forward (per-layer relative error of
-candidate and baseline, log scale), the trace (per backend and dtype the first departing node and
-every node by layer: a grid of layers x nodes coloured by outcome, with the counts judged, passed,
-failed, not traced and inputs not traced per layer), the serving path (per backend and dtype the
-schedules, sequences, steps and tokens checked, the worst row, the features of the failing schedules;
-backends without a session listed as not supporting it), and each document's environment.
-
-With several documents, a backend that occurs in more than one is labelled ``backend · label``,
-the label being the document's (the file's name for ``gemma4-conformance-report merge``).
+``render(documents)`` returns the page as a string; ``write(path, documents)`` writes it.  The markup
+comes from ``templates/report.html.j2`` with autoescaping on; the only unescaped strings are the SVGs
+matplotlib draws.  What the page shows, section by section: docs/report.md.
 """
 
 from __future__ import annotations
@@ -45,16 +23,21 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from gemma4_conformance.spec import OP_NAMES
 from gemma4_conformance.spec.model import LAYER_NODES
 
 from .data import dtype_rank, number, validate
 
 TEMPLATES = Path(__file__).with_name("templates")
 WARN_HEADROOM = 1.5  # a passing op with less headroom than this is shown orange
+# A budget below this allows the final rounding (0.5 ULP) and terms of formats wider than the dtype, and
+# no second rounding in it (which would take it to 1): a result within it is correctly rounded, not a
+# near failure, however little headroom 0.5 / 0.5 leaves.
+ONE_ROUNDING = 0.75
 CLOSEST_PER_COLUMN = 10  # passing ops listed per backend in "closest to budget"
 SLACK_NOTE = 100  # a budget this many times the largest error any passing backend showed is marked
-COLOURS = {"fail": "#e03131", "known": "#9c36b5", "warn": "#f08c00", "ok": "#2f9e44", "unest": "#1c7ed6",
-           "unsup": "#adb5bd", "notrun": "#868e96", "none": "#dee2e6"}
+COLOURS = {"fail": "#e03131", "known": "#9c36b5", "cr": "#0ca678", "warn": "#f08c00", "ok": "#2f9e44",
+           "unest": "#1c7ed6", "unsup": "#adb5bd", "notrun": "#868e96", "none": "#dee2e6"}
 _RC = {
     "svg.fonttype": "none",  # text stays text: small, searchable, no embedded glyph paths
     "svg.hashsalt": "gemma4-conformance",  # deterministic ids
@@ -92,7 +75,8 @@ def percent(passed: int, tested: int) -> str:
 
 
 def status(result: dict | None) -> str:
-    """The cell's colour class: fail, known (an excused failure), warn (headroom < 1.5), ok, unest (not
+    """The cell's colour class: fail, known (an excused failure), cr (correctly rounded: passed a budget of
+    one rounding), warn (headroom < 1.5), ok, unest (not
     established: too few informative examples), unsup, notrun, none (not tested). Theorems (no
     headroom) are ok, known, fail, unsup or notrun."""
     if result is None:
@@ -108,9 +92,15 @@ def status(result: dict | None) -> str:
         return "fail"
     if outcome == "not run":
         return "notrun"
+    budget_ulps = number(result.get("budget_ulps"))
+    if budget_ulps is not None and 0 < budget_ulps < ONE_ROUNDING:
+        return "cr"
     if headroom is not None and headroom < WARN_HEADROOM:
         return "warn"
     return "ok"
+
+
+PASSED = ("ok", "warn", "cr")
 
 
 def examples(n: int) -> str:
@@ -404,6 +394,18 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     stale = [{"label": doc_labels[i], **e} for i, d in enumerate(documents) for e in d["deviations"]
              if e["status"] != "excused"]
 
+    # One line per backend that lacks something: the ops it does not implement, and the serving path
+    # without a session (the matrix shows each as a grey cell; this says it in words, once).
+    lacking = []
+    for i, backend in dict.fromkeys([*columns, *((j, b) for j, b, _ in serving)]):
+        absent = {r["op"] for r in documents[i]["results"] if r["backend"] == backend and r["outcome"] == "unsupported"}
+        names = [op for op in OP_NAMES if op in absent]
+        missing = [f"{len(names)} op{'s' * (len(names) != 1)} not implemented: {', '.join(names)}"] if names else []
+        if any(e["outcome"] == "unsupported" for (j, b, _), e in serving.items() if (j, b) == (i, backend)):
+            missing.append("no session, so no serving path")
+        if missing:
+            lacking.append({"column": label(i, backend), "text": "; ".join(missing)})
+
     # % conformant per column and dtype.
     conformance = []
     for c, (i, backend) in enumerate(columns):
@@ -411,7 +413,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         for dtype in dtypes:
             rs = [r for op in ops if (r := cells.get((i, backend, dtype, op))) is not None]
             tested = [r for r in rs if r["outcome"] != "unsupported"]
-            passed = sum(status(r) in ("ok", "warn") for r in tested)
+            passed = sum(status(r) in PASSED for r in tested)
             unsupported = len(rs) - len(tested)
             total_passed, total_tested, total_unsupported = (total_passed + passed, total_tested + len(tested),
                                                              total_unsupported + unsupported)
@@ -483,7 +485,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         row = []
         for dtype in dtypes:
             passing = [(number(r["headroom"]), column_labels[c]) for c, (i, b) in enumerate(columns)
-                       if (r := cells.get((i, b, dtype, op))) is not None and status(r) in ("ok", "warn")
+                       if (r := cells.get((i, b, dtype, op))) is not None and status(r) in PASSED
                        and number(r["headroom"]) is not None]
             tightest = min(passing, default=None)
             row.append({"text": fmt(tightest[0]) + "x" if tightest else "",
@@ -506,7 +508,8 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                          "failing_features": ", ".join(f"{name} ({n})" for name, n in e["failing_features"].items()
                                                        if n) or ("none" if e["failing"] else "")})
 
-    # Passing ops closest to their budget, per column.
+    # Passing ops closest to their budget, per column (a correctly rounded one is as close as a right
+    # answer can be, not close to failing).
     closest = []
     for c, (i, backend) in enumerate(columns):
         passing = [r for r in documents[i]["results"] if r["backend"] == backend and status(r) in ("ok", "warn")
@@ -563,6 +566,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         "excused": excused,
         "stale": stale,
         "conformance": conformance,
+        "lacking": lacking,
         "matrix": matrix,
         "forward_row": forward_row if forward_row and any(c["text"] for c in forward_row) else None,
         "trace_row": trace_row if any(c["text"] for c in trace_row) else None,
@@ -586,14 +590,16 @@ TRACE_CLASSES = {"passed": "ok", "failed": "fail", "not traced": "notrun", "inpu
 
 
 def _node_cell(node: dict | None) -> dict:
-    """A cell of the trace grid: coloured by outcome (orange: passed with headroom under WARN_HEADROOM),
-    its text the error as a fraction of the budget."""
+    """A cell of the trace grid: coloured by outcome (teal: correctly rounded, within a budget of one
+    rounding; orange: passed with headroom under WARN_HEADROOM), its text the error as a fraction of the budget."""
     if node is None:
         return {"cls": "none", "text": "", "title": "no such node on this layer"}
     error, budget = number(node["error"]), number(node["budget"])
     ratio = error / budget if error is not None and budget else None
     cls = TRACE_CLASSES[node["outcome"]]
-    if cls == "ok" and ratio is not None and ratio * WARN_HEADROOM > 1:
+    if cls == "ok" and budget is not None and 0 < budget < ONE_ROUNDING:
+        cls = "cr"
+    elif cls == "ok" and ratio is not None and ratio * WARN_HEADROOM > 1:
         cls = "warn"
     title = f"{node['node']} ({node['op']}): {node['outcome']}"
     if ratio is not None:
