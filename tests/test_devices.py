@@ -90,9 +90,10 @@ def test_a_device_that_is_not_there_is_a_usage_error_naming_it_and_what_was_foun
 def test_a_rerun_command_names_the_device_when_it_is_not_the_cpu():
     class Config:
         device = "cuda:1"
+        seed = None
 
-        def getoption(self, name):
-            return self.device
+        def getoption(self, name, default=None):
+            return {"--device": self.device, "hypothesis_seed": self.seed}.get(name, default)
 
     class Item:
         module = type("M", (), {"__name__": "gemma4_conformance.properties.test_agreement"})
@@ -102,6 +103,9 @@ def test_a_rerun_command_names_the_device_when_it_is_not_the_cpu():
     assert rerun_command(Item(), "torch").endswith("--backend=torch --device=cuda:1")
     Item.config.device = "cpu"
     assert "--device" not in rerun_command(Item(), "torch")
+    Item.config.seed = 7  # the forward's and serving's tokens are drawn with it; a case holds its own inputs
+    assert rerun_command(Item(), "torch").endswith("--backend=torch --hypothesis-seed=7")
+    assert "--hypothesis-seed" not in rerun_command(Item(), "torch", case={"args": {}})
 
 
 # ----------------------------------------------------------------------------------------- math modes

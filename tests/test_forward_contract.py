@@ -76,3 +76,15 @@ def test_a_contract_breach_exits_6_with_its_message_once(tmp_path):
     assert status == EXIT_BROKEN, out[-3000:]
     assert len(doc["problems"]) == 1 and "a batch axis" in doc["problems"][0]["message"], doc["problems"]
     assert "broke the contract" in out and not doc["forward"]
+
+
+def test_drawn_tokens_hold_the_special_ids_inside_and_follow_the_seed():
+    from gemma4_conformance.properties.forward import SPECIAL_IDS, drawn_tokens
+
+    for seed in range(20):
+        tokens = drawn_tokens(1000, 24, seed)
+        assert len(tokens) == 24 and tokens.min() >= 0 and tokens.max() == 999
+        assert all(t in tokens[1:] for t in (*SPECIAL_IDS, 999))
+        assert (drawn_tokens(1000, 24, seed) == tokens).all()
+    assert not (drawn_tokens(1000, 24, 0) == drawn_tokens(1000, 24, 1)).all()
+    assert list(drawn_tokens(1000, 3, 0)[1:]).count(0) == 1  # fewer places than special ids: the first ones
