@@ -32,6 +32,12 @@ run and in its report.  An adapter object or a module takes no options.
 ``device`` parameter, unless the spec gives its own ``device=`` option; the factory raises
 ``DeviceError`` for a device it cannot use or that is not there, saying what it found.  Other adapters
 run where they run (the numpy backend on the CPU).
+
+Optionally, ``invariance`` is the set of invariance relations the adapter's session promises, among
+``INVARIANCE`` (properties/invariance.py): "run" (a schedule played again gives bitwise the same logits),
+"batch" (a sequence's logits do not depend on its batch partners) and "chunk" (nor on how its prompt is
+chunked).  A promise that does not hold fails the run; what is not promised is measured and reported only.
+Empty when absent; an engine with a batch-invariant mode claims it behind an option.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ SETUP = {
 }
 ENTRY_POINT_GROUP = "gemma4_conformance.adapters"
 DTYPES = ("float64", "float32", "bfloat16", "float16")
+INVARIANCE = ("run", "batch", "chunk")
 
 
 class AdapterError(Exception):
@@ -169,6 +176,10 @@ def load(spec: str, device: str | None = None):
     unknown = set(obj.dtypes) - set(DTYPES)
     if unknown:
         raise AdapterError(f"backend {spec!r} declares unknown dtypes {sorted(unknown)}; known: {list(DTYPES)}")
+    claims = getattr(obj, "invariance", ())
+    if isinstance(claims, str) or not all(isinstance(c, str) for c in claims) or set(claims) - set(INVARIANCE):
+        raise AdapterError(f"backend {spec!r} claims the invariance {claims!r}; it is a set of names among "
+                           f"{', '.join(INVARIANCE)}")
     return obj
 
 
