@@ -25,6 +25,11 @@ Top level (an object)::
                  (below)
     serving      array: one entry per backend x dtype whose serving path was tested, or found
                  unsupported (below)
+    invariance   array (optional: absent from documents of suites before it, which still load and merge):
+                 one entry per backend x dtype x invariance relation whose test ran (below)
+    op_invariance
+                 array (optional, as ``invariance``): one entry per backend x dtype x op checked for
+                 batch invariance (below)
     problems     array: the tests that broke rather than failed (below); when not empty the run's
                  verdict is incomplete and it exited 6
     deviations   array: the entries of the known-deviations files the run was given (below)
@@ -188,6 +193,32 @@ means "not measured" (an op with no examples has no error statistics).
     rerun           the command that reruns that schedule ("" when none)
     deviation       as in ``results``
 
+``invariance[i]`` (sorted by backend, dtype, then relation; properties/invariance.py)::
+
+    backend, dtype  as in ``serving``
+    relation        "run", "batch" or "chunk"
+    claimed         true when the adapter promises it (its ``invariance``): then a difference fails the run
+    outcome         "held", "varies" (not claimed, and it does not hold: measured, not a failure),
+                    "failed" (claimed, and it does not hold), "errored", "unsupported" (no session)
+    schedules       schedules compared (an integer; Hypothesis's shrinking included)
+    rows, differing integers: the logit rows compared bitwise, and those that differ
+    worst           the difference of the most ULPs, or null when every row was identical:
+                    {"sequence", "position" (the first differing one), "rows" (how many differ),
+                    "ulps" (the largest difference, in ULPs of the dtype), "against" (what was compared),
+                    "schedule"}
+    message         the first difference found, every sequence of its schedule ("" when it held)
+    rerun           the command that replays that schedule ("" when it held)
+
+``op_invariance[i]`` (sorted by backend, dtype, then op)::
+
+    backend, dtype, op
+    nodes           the forward's nodes of that op that were checked (its first ones)
+    rows            rows computed alone (and, for linear, gate_up and lm_head, in blocks) and compared
+    differing       of those, rows that differ from the same rows in the whole call: 0 when the op is
+                    batch-invariant
+    ulps            the largest difference in ULPs of the dtype
+    where           the first difference: the node and how its rows were split ("" when none)
+
 ``relations[i]`` (sorted like ``results``)::
 
     backend, dtype  as in ``results``
@@ -271,6 +302,13 @@ SERVING_FIELDS = {
     "worst": (dict, type(None)), "factor": "number", "floor": "number", "failing": int, "failing_features": dict,
     "case": (dict, type(None)), "features": list, "message": str, "rerun": str, "deviation": str,
 }
+INVARIANCE_FIELDS = {
+    "backend": str, "dtype": str, "relation": str, "claimed": bool, "outcome": str, "schedules": int, "rows": int,
+    "differing": int, "worst": (dict, type(None)), "message": str, "rerun": str,
+}
+INVARIANCE_OUTCOMES = ("held", "varies", "failed", "errored", "unsupported", "not run")
+OP_INVARIANCE_FIELDS = {"backend": str, "dtype": str, "op": str, "nodes": int, "rows": int, "differing": int,
+                        "ulps": "number", "where": str}
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
@@ -462,6 +500,22 @@ def serving_entry(record, deviation: str = "") -> dict:
     }
 
 
+def invariance_entry(record) -> dict:
+    """One ``invariance`` entry from a ``properties.invariance.InvarianceRecord``."""
+    w = record.worst
+    worst = None if w is None else {"sequence": w.sequence, "position": w.position, "rows": w.rows,
+                                    "ulps": encode(w.ulps), "against": w.against, "schedule": _jsonable(w.schedule)}
+    return {"backend": record.backend, "dtype": record.dtype, "relation": record.relation, "claimed": record.claimed,
+            "outcome": record.outcome, "schedules": record.schedules, "rows": record.rows,
+            "differing": record.differing, "worst": worst, "message": record.message, "rerun": record.rerun}
+
+
+def op_invariance_entry(record) -> dict:
+    """One ``op_invariance`` entry from a ``properties.invariance.OpInvarianceRecord``."""
+    return {"backend": record.backend, "dtype": record.dtype, "op": record.op, "nodes": record.nodes,
+            "rows": record.rows, "differing": record.differing, "ulps": encode(record.ulps), "where": record.where}
+
+
 def document(recorder, env: dict | None = None, deviations=()) -> dict:
     """The report document of a run: ``recorder`` is the plugin's ``properties.record.Recorder``;
     ``env`` is ``environment()``'s dict (collected now when None); ``deviations`` the
@@ -485,6 +539,10 @@ def document(recorder, env: dict | None = None, deviations=()) -> dict:
         "serving": [serving_entry(r, excused.get((backend, dtype, "serving"), ""))
                     for (backend, dtype), r in sorted(recorder.serving.items(),
                                                       key=lambda item: (item[0][0], dtype_rank(item[0][1])))],
+        "invariance": [invariance_entry(r) for r in sorted(recorder.invariance.values(), key=lambda r: (
+            r.backend, dtype_rank(r.dtype), r.relation))],
+        "op_invariance": [op_invariance_entry(r) for r in sorted(recorder.op_invariance.values(), key=lambda r: (
+            r.backend, dtype_rank(r.dtype), ops.index(r.op)))],
         "problems": [{"test": p.test, "phase": p.phase, "message": p.message} for p in recorder.problems],
         "deviations": [deviation_entry(e) for e in deviations],
     }
@@ -646,6 +704,7 @@ def validate(document, source: str = "<document>") -> dict:
         _check_fields(entry, SERVING_FIELDS, f"serving[{i}]", source)
         if entry["outcome"] not in OUTCOMES:
             raise ReportError(f"{source}: serving[{i}].outcome is {entry['outcome']!r}, expected one of {OUTCOMES}")
+    _validate_invariance(document, source)
     for i, entry in enumerate(document["forward"]):
         _check_fields(entry, FORWARD_FIELDS, f"forward[{i}]", source)
         for key in ("layers", "logits", "logprob_gap"):
@@ -659,6 +718,20 @@ def validate(document, source: str = "<document>") -> dict:
                 raise ReportError(f"{source}: traces[{i}].nodes[{j}].outcome is {node['outcome']!r}, expected one "
                                   f"of {NODE_OUTCOMES}")
     return document
+
+
+def _validate_invariance(document: dict, source: str) -> None:
+    """The optional invariance keys, when present (a document written before them has neither)."""
+    for key, fields in (("invariance", INVARIANCE_FIELDS), ("op_invariance", OP_INVARIANCE_FIELDS)):
+        if key not in document:
+            continue
+        if not isinstance(document[key], list):
+            raise ReportError(f"{source}: \"{key}\" is not an array")
+        for i, entry in enumerate(document[key]):
+            _check_fields(entry, fields, f"{key}[{i}]", source)
+            if key == "invariance" and entry["outcome"] not in INVARIANCE_OUTCOMES:
+                raise ReportError(f"{source}: invariance[{i}].outcome is {entry['outcome']!r}, expected one of "
+                                  f"{INVARIANCE_OUTCOMES}")
 
 
 def load(path) -> dict:
