@@ -11,7 +11,8 @@ import pytest
 from gemma4_conformance.adapters import AdapterError, load
 from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties.invariance import OpInvariance, compare
-from gemma4_conformance.report import data
+from gemma4_conformance.properties.record import Recorder
+from gemma4_conformance.report import data, html
 from tests.invariance_mutants import MUTANTS, ROW_BY_ROW
 from tests.test_plugin import rerun_elsewhere, suite
 
@@ -31,6 +32,8 @@ def test_an_engine_that_claims_nothing_never_fails_on_invariance(tmp_path):
     for e in varies:
         assert e["differing"] and e["worst"]["rows"] and e["worst"]["ulps"] > 0 and "--case=" in e["rerun"]
     assert "invariance:batch" in out
+    page = (tmp_path / "report.html").read_text()
+    assert 'id="invariance"' in page and "varies" in page and "invariance claim" not in page
 
 
 def test_an_engine_that_claims_all_three_and_holds_them_passes(tmp_path):
@@ -50,6 +53,8 @@ def test_a_claim_that_breaks_fails_the_run_and_its_rerun_fails_again(tmp_path):
     entry = entries["batch"]
     assert entry["claimed"] and entry["outcome"] == "failed" and entry["worst"]["ulps"] > 1
     assert "batch invariance" in entry["message"] and "rows differ" in entry["message"]
+    page = (tmp_path / "report.html").read_text()
+    assert "1 invariance claim broken" in page and "batch invariance — claimed, and it does not hold" in page
     done = rerun_elsewhere(tmp_path, entry["rerun"])
     assert done.returncode == EXIT_NOT_CONFORMANT and "claims it" in done.stdout, done.stdout[-3000:]
 
@@ -97,12 +102,14 @@ def test_the_op_check_finds_a_kernel_chosen_by_the_number_of_rows():
     assert held.records["linear"].held and held.records["linear"].rows == 6 + 6 + 6
 
 
-def test_documents_without_the_invariance_keys_still_load():
-    from gemma4_conformance.properties.record import Recorder
-
+def test_documents_without_the_invariance_keys_still_load_and_merge():
     doc = data.document(Recorder(), env={})
     assert doc["invariance"] == [] and doc["op_invariance"] == []
     old = {k: v for k, v in doc.items() if k not in ("invariance", "op_invariance")}
     assert data.validate(old) is old
+    new = {**doc, "op_invariance": [{"backend": "b", "dtype": "float32", "op": "linear", "nodes": 2, "rows": 6,
+                                     "differing": 1, "ulps": 3.0, "where": "layers.0.q: rows 0..0 alone"}]}
+    assert "Invariance was not tested." in html.render([old])
+    assert "linear (3 ULPs; first at layers.0.q: rows 0..0 alone)" in html.render([old, new])
     with pytest.raises(data.ReportError, match="invariance"):
         data.validate({**doc, "invariance": [{"backend": "x"}]})
