@@ -150,4 +150,16 @@ MUTANTS = [
     Engine("keys_in_bf16_when_batch_large", {"batch"}, session_class=Bf16KeysSession),
 ]
 ROW_BY_ROW = Engine("row_by_row", {"run", "batch", "chunk"})
-ADAPTERS = SimpleNamespace(**{engine.name: engine for engine in [ROW_BY_ROW, *MUTANTS]})
+
+
+class ClaimsNothing:
+    """The numpy backend and its session as they are, claiming nothing (numpy claims "run")."""
+
+    name, dtypes, invariance = "numpy-claims-nothing", numpy_backend.dtypes, frozenset()
+
+    def __getattr__(self, attribute):
+        return getattr(numpy_backend, attribute)
+
+
+ADAPTERS = SimpleNamespace(**{engine.name: engine for engine in [ROW_BY_ROW, *MUTANTS]},
+                           claims_nothing=ClaimsNothing())

@@ -6,7 +6,8 @@ serving.py), each compared bitwise, never against the reference:
 
 * run: a schedule played twice, each time in a fresh session, gives the same logits;
 * batch: a sequence's logits alone (the same chunks and decode steps, in a session of its own) equal
-  its logits beside the schedule's partners, which join and leave while it runs;
+  its logits beside the schedule's partners, which join and leave while it runs (the first sequence
+  of the schedule: every other one would cost a play of its own);
 * chunk: a prompt prefilled in one call, in the drawn chunks and token by token gives the same logits
   at every position (its decode steps included), each way alone in its session.
 
@@ -106,10 +107,10 @@ def check(relation: str, adapter, schedule: dict, documents: Documents, dtype: s
         first, _, _ = play(adapter, schedule, tokens, documents, dtype)
         again, _, _ = play(adapter, schedule, tokens, documents, dtype)
         pairs = [(k, again[k], first[k], "the second play against the first") for k in range(len(sequences))]
-    elif relation == "batch":
+    elif relation == "batch":  # the first sequence, which the others join and leave: two plays, not one a sequence
         together, _, _ = play(adapter, schedule, tokens, documents, dtype)
-        pairs = [(k, together[k], play(adapter, _alone(s, s["chunks"]), [tokens[k]], documents, dtype)[0][0],
-                  "beside its partners against alone") for k, s in enumerate(sequences)]
+        alone, _, _ = play(adapter, _alone(sequences[0], sequences[0]["chunks"]), tokens[:1], documents, dtype)
+        pairs = [(0, together[0], alone[0], "beside its partners against alone")]
     else:  # chunk: the first sequence, alone, its prompt in one call, in its drawn chunks, token by token
         s = sequences[0]
         prompt = sum(s["chunks"])
