@@ -598,8 +598,8 @@ def _invariance_cell(entry: dict | None) -> dict:
             f"differ in {entry['schedules']} schedule{'s' if entry['schedules'] != 1 else ''}"
     w = entry["worst"]
     if w is not None:
-        title += f"; worst: sequence {w['sequence']} ({w['against']}) from position {w['position']}, {w['rows']} rows, " \
-                 f"up to {fmt(w['ulps'])} ULPs"
+        title += f"; worst: sequence {w['sequence']} ({w['against']}) from position {w['position']}, " \
+                 f"{w['rows']} rows, up to {fmt(w['ulps'])} ULPs"
     text = entry["outcome"] + (f" · {fmt(w['ulps'])} ULPs" if w is not None else "")
     return {"cls": INVARIANCE_CLASSES[entry["outcome"]], "text": text, "title": title, "claimed": entry["claimed"]}
 
