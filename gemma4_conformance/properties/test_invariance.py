@@ -16,16 +16,22 @@ from hypothesis import currently_in_test_context, given, settings, target
 from gemma4_conformance.adapters import DTYPES
 
 from .harness import ContractViolation, rerun_command
-from .invariance import RELATIONS, InvarianceRecord, check, claims, fixed, op_invariance
+from .invariance import RELATIONS, InvarianceRecord, Plays, check, claims, fixed, op_invariance
 from .serving import EXAMPLES_SHARE, SERVING_DTYPES, case_json, normalize, schedules, validate
 from .test_serving import documents  # noqa: F401 - the serving test's checkpoint and documents
+
+@pytest.fixture(scope="session")
+def plays():
+    """The plays the three relations share (invariance.Plays), for the whole run."""
+    return Plays()
+
 
 OP_TOKENS = 11  # a forward past the sliding window (8 on the CI checkpoint), so that its mask cuts
 
 
 @pytest.mark.parametrize("invariance", RELATIONS)
 @pytest.mark.parametrize("invariance_dtype", SERVING_DTYPES)
-def test_invariance(request, backend, adapter, invariance_dtype, invariance, documents):  # noqa: F811
+def test_invariance(request, backend, adapter, invariance_dtype, invariance, documents, plays):  # noqa: F811
     dtype = invariance_dtype
     if dtype not in adapter.dtypes or dtype not in request.config.conformance_dtypes:
         pytest.skip(f"{adapter.name} is not tested in {dtype} here")
@@ -39,7 +45,7 @@ def test_invariance(request, backend, adapter, invariance_dtype, invariance, doc
     def one(schedule):
         command = rerun_command(request.node, backend, schedule)
         try:
-            verdict = check(invariance, adapter, schedule, documents, dtype)
+            verdict = check(invariance, adapter, schedule, documents, dtype, plays)
         except ContractViolation as e:
             record.outcome, record.message, record.rerun = "errored", str(e), command
             raise ContractViolation(f"{e}\n  schedule: {case_json(schedule)}\n  rerun: {command}") from None
