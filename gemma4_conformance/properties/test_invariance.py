@@ -82,7 +82,9 @@ def test_invariance(request, backend, adapter, invariance_dtype, invariance, doc
 @pytest.mark.parametrize("invariance_dtype", DTYPES)
 def test_op_batch_invariance(request, backend, adapter, invariance_dtype, documents):  # noqa: F811
     """Each op of a forward at its first nodes, on its rows alone (and the linear family's in blocks)
-    against in the whole call; a failure only where the adapter claims batch invariance."""
+    against in the whole call: where a session's batch or chunk relation breaks, which kernel does.
+    A measurement for the report, never a failure: a session need not pack sequences into one call
+    (transformers' runs each alone, batch-invariant over kernels that are not)."""
     dtype = invariance_dtype
     if dtype not in adapter.dtypes or dtype not in request.config.conformance_dtypes:
         pytest.skip(f"{adapter.name} is not tested in {dtype} here")
@@ -90,12 +92,8 @@ def test_op_batch_invariance(request, backend, adapter, invariance_dtype, docume
         records = op_invariance(adapter, documents, dtype, OP_TOKENS)
     except ContractViolation as e:
         raise ContractViolation(f"{e}\n  rerun: {rerun_command(request.node, backend)}") from None
-    recorder = request.config.conformance_recorder
     for r in records:
-        recorder.op_invariance[r.backend, r.dtype, r.op] = r
-    varying = [r for r in records if not r.held]
-    if varying and "batch" in claims(adapter):
-        pytest.fail(f"{adapter.name} claims batch invariance, but in {dtype} these ops are not batch-invariant:\n"
-                    + "\n".join(f"  {r.op}: {r.differing} of {r.rows} rows differ, by up to {r.ulps:.3g} ULPs "
-                                f"(first at {r.where})" for r in varying)
-                    + f"\n  rerun: {rerun_command(request.node, backend)}", pytrace=False)
+        request.config.conformance_recorder.op_invariance[r.backend, r.dtype, r.op] = r
+    checked = {r.op for r in records}
+    assert {"linear", "lm_head", "sliding_gqa", "causal_gqa"} <= checked, \
+        f"only {sorted(checked)} were checked: the graph's op names changed?"  # the suite's own check broke
