@@ -5,12 +5,20 @@ comparison and the op-level check find what they must."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from gemma4_conformance.adapters import AdapterError, load
 from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
-from gemma4_conformance.properties.invariance import OpInvariance, compare
+from gemma4_conformance.properties.invariance import (
+    Difference,
+    InvarianceRecord,
+    OpInvariance,
+    OpInvarianceRecord,
+    compare,
+)
 from gemma4_conformance.properties.record import Recorder
 from gemma4_conformance.report import data, html
 from tests.invariance_mutants import MUTANTS, ROW_BY_ROW
@@ -113,3 +121,17 @@ def test_documents_without_the_invariance_keys_still_load_and_merge():
     assert "linear (3 ULPs; first at layers.0.q: rows 0..0 alone)" in html.render([old, new])
     with pytest.raises(data.ReportError, match="invariance"):
         data.validate({**doc, "invariance": [{"backend": "x"}]})
+
+
+def test_an_xdist_worker_sends_its_invariance_records_and_an_older_one_sends_none():
+    worker = Recorder()
+    record = InvarianceRecord("b", "float32", "batch", claimed=True, outcome="failed", schedules=2, rows=14,
+                              differing=3, worst=Difference(0, 10, 3, 1.5e4, "beside its partners against alone",
+                                                            {"sequences": []}), message="m", rerun="r")
+    worker.invariance["b", "float32", "batch"] = record
+    worker.op_invariance["b", "float32", "linear"] = OpInvarianceRecord("b", "float32", "linear", 2, 36, 4, 9.0, "w")
+    controller = Recorder()
+    controller.merge(json.loads(json.dumps(worker.export())))
+    assert controller.invariance == worker.invariance and controller.op_invariance == worker.op_invariance
+    older = {k: v for k, v in worker.export().items() if k not in ("invariance", "op_invariance")}
+    Recorder().merge(older)
