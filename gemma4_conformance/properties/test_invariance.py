@@ -62,9 +62,10 @@ def test_invariance(request, backend, adapter, invariance_dtype, invariance, doc
     case = request.config.conformance_case
     if case is not None:
         try:
-            one(validate(case, documents.window))
+            schedule = validate(case, documents.window)
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
+        one(schedule)
     else:
         one(normalize(fixed(documents.window), documents.window))
         tested = [d for d in SERVING_DTYPES if d in adapter.dtypes and d in request.config.conformance_dtypes]
