@@ -5,7 +5,9 @@
 Each op mutant (tests/mutants.py) runs the suite's agreement and relation tests for its op in its
 dtype (``--ops``: ``-k op`` would also match the mutant's name, which begins with the op, and run every op); each model-level mutant (tests/forward_mutants.py) runs the full-forward tests; each serving
 mutant (tests/serving_mutants.py, a session with one cache bug) runs the serving test in float32,
-whose small baseline error lets no cache bug hide (in bfloat16 some stay under bf16's own).  Every run
+whose small baseline error lets no cache bug hide (in bfloat16 some stay under bf16's own); each
+invariance mutant (tests/invariance_mutants.py, a batch-, chunk- or run-invariant engine with one bug
+that breaks what it claims) runs the invariance tests in float32 (bf16 keys are no change in bf16).  Every run
 stops at its first failure (pytest -x), so a mutant costs seconds.  The matrix lists each mutant,
 the test that killed it and the time it took; the exit status is 1 if any mutant survived.  The runs
 are independent processes, ``--jobs`` of them at once (default: one per core).
@@ -24,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests import forward_mutants, mutants, serving_mutants
+from tests import forward_mutants, invariance_mutants, mutants, serving_mutants
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass
 class Run:
     mutant: str
-    target: str  # the op, "forward" or "serving"
+    target: str  # the op, "forward", "serving" or "invariance"
     dtype: str
     backend: str
     selection: tuple[str, ...]
@@ -49,6 +51,9 @@ def runs() -> list[Run]:
     table += [Run(m.name, "serving", "float32", f"tests.serving_mutants:ADAPTERS.{m.name}",
                   ("gemma4_conformance/properties/test_serving.py",))
               for m in serving_mutants.MUTANTS]
+    table += [Run(m.name, "invariance", "float32", f"tests.invariance_mutants:ADAPTERS.{m.name}",
+                  ("gemma4_conformance/properties/test_invariance.py",))
+              for m in invariance_mutants.MUTANTS]
     return table
 
 

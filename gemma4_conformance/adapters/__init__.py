@@ -41,6 +41,7 @@ SETUP = {
 }
 ENTRY_POINT_GROUP = "gemma4_conformance.adapters"
 DTYPES = ("float64", "float32", "bfloat16", "float16")
+INVARIANCE = ("run", "batch", "chunk")
 
 
 class AdapterError(Exception):
@@ -140,6 +141,10 @@ def load(spec: str, device: str | None = None):
     unknown = set(obj.dtypes) - set(DTYPES)
     if unknown:
         raise AdapterError(f"backend {spec!r} declares unknown dtypes {sorted(unknown)}; known: {list(DTYPES)}")
+    claims = getattr(obj, "invariance", ())
+    if isinstance(claims, str) or not all(isinstance(c, str) for c in claims) or set(claims) - set(INVARIANCE):
+        raise AdapterError(f"backend {spec!r} claims the invariance {claims!r}; it is a set of names among "
+                           f"{', '.join(INVARIANCE)}")
     return obj
 
 

@@ -129,6 +129,25 @@ def serving_summary(r) -> str:
     return text
 
 
+def invariance_lines(relations, ops) -> list[str]:
+    """The terminal summary's invariance lines: per backend and dtype, each relation's outcome (claimed
+    or measured) and worst difference, and the ops that are not batch-invariant."""
+    lines = []
+    for r in sorted(relations, key=lambda r: (r.backend, r.dtype, r.relation)):
+        what = f"{r.outcome} ({'claimed' if r.claimed else 'not claimed'})"
+        text = f"{r.schedules} schedules, {r.differing} of {r.rows} rows differ"
+        if r.worst is not None:
+            text += f"; worst: sequence {r.worst.sequence} from position {r.worst.position}, {r.worst.ulps:.3g} ULPs"
+        lines.append(f"{r.backend:<8} {r.dtype:<9} {'invariance:' + r.relation:<15} {what:<15} {text}")
+    varying: dict[tuple[str, str], list[str]] = {}
+    for r in sorted(ops, key=lambda r: (r.backend, r.dtype, r.op)):
+        if not r.held:
+            varying.setdefault((r.backend, r.dtype), []).append(f"{r.op} ({r.ulps:.3g} ULPs)")
+    for (backend, dtype), names in sorted(varying.items()):
+        lines.append(f"{backend:<8} {dtype:<9} {'not batch-inv.':<15} {', '.join(names)}")
+    return lines
+
+
 class Recorder:
     def __init__(self):
         self.records: dict[tuple[str, str, str], OpRecord] = {}
@@ -136,6 +155,9 @@ class Recorder:
         self.forward: dict[tuple[str, str], object] = {}  # (backend, dtype) -> forward.ForwardVerdict
         self.traces: dict[tuple[str, str], object] = {}  # (backend, dtype) -> trace.TraceVerdict
         self.serving: dict[tuple[str, str], object] = {}  # (backend, dtype) -> serving.ServingRecord
+        # (backend, dtype, relation) -> invariance.InvarianceRecord; (backend, dtype, op) -> OpInvarianceRecord
+        self.invariance: dict[tuple[str, str, str], object] = {}
+        self.op_invariance: dict[tuple[str, str, str], object] = {}
         self.excused: dict[tuple[str, str, str], str] = {}  # (backend, dtype, op/relation/"forward") -> reason
         self.problems: list[Problem] = []
 
@@ -158,6 +180,8 @@ class Recorder:
                 "forward": [[backend, dtype, asdict(v)] for (backend, dtype), v in self.forward.items()],
                 "traces": [[backend, dtype, asdict(v)] for (backend, dtype), v in self.traces.items()],
                 "serving": [asdict(r) for r in self.serving.values()],
+                "invariance": [asdict(r) for r in self.invariance.values()],
+                "op_invariance": [asdict(r) for r in self.op_invariance.values()],
                 "excused": [[*key, reason] for key, reason in self.excused.items()],
                 "problems": [asdict(p) for p in self.problems]}
 
@@ -165,6 +189,7 @@ class Recorder:
         """Add what another process recorded (``export``'s data): each test runs in one worker, so the
         tests' records do not overlap."""
         from .forward import ForwardVerdict  # these import the harness, which needs this module
+        from .invariance import Difference, InvarianceRecord, OpInvarianceRecord
         from .serving import Position, ServingRecord
         from .trace import NodeVerdict, TraceVerdict
 
@@ -187,6 +212,11 @@ class Recorder:
         for r in data["serving"]:
             worst = None if r["worst"] is None else Position(**r["worst"])
             self.serving[r["backend"], r["dtype"]] = ServingRecord(**{**r, "worst": worst})
+        for r in data.get("invariance", []):  # absent from a worker of an older suite
+            worst = None if r["worst"] is None else Difference(**r["worst"])
+            self.invariance[r["backend"], r["dtype"], r["relation"]] = InvarianceRecord(**{**r, "worst": worst})
+        for r in data.get("op_invariance", []):
+            self.op_invariance[r["backend"], r["dtype"], r["op"]] = OpInvarianceRecord(**r)
         for backend, dtype, subject, reason in data["excused"]:
             self.excused[backend, dtype, subject] = reason
         self.problems.extend(Problem(**p) for p in data["problems"])
@@ -239,6 +269,7 @@ class Recorder:
             if any(r.outcome == "unsupported" for (b, _), r in self.serving.items() if b == backend):
                 missing.append("no session, so no serving path")
             lines.append(f"{backend:<8} unsupported: {'; '.join(missing)}")
+        lines += invariance_lines(self.invariance.values(), self.op_invariance.values())
         if self.relations:
             counts = {o: sum(r.outcome == o for r in self.relations.values()) for o in ("passed", "unsupported")}
             lines.append(f"theorems of the spec: {counts['passed']} held, "

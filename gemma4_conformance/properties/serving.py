@@ -249,13 +249,12 @@ class Run:
     steps: int
 
 
-def run(adapter, schedule: dict, documents: Documents, dtype: str) -> Run:
-    """Play ``schedule`` on a fresh session, then prefill every sequence in one call on another."""
+def play(adapter, schedule: dict, tokens: list[np.ndarray], documents: Documents, dtype: str):
+    """Play ``schedule`` on a fresh session, sequence k appending ``tokens[k]``: per sequence its rows
+    in order, whether each came from a decode step, and the steps taken."""
     vocab = documents.config.vocab_size
-    sequences = schedule["sequences"]
-    tokens = [documents.of(k, s) for k, s in enumerate(sequences)]
-    pieces: list[list] = [[] for _ in sequences]
-    decoded: list[list] = [[] for _ in sequences]
+    pieces: list[list] = [[] for _ in schedule["sequences"]]
+    decoded: list[list] = [[] for _ in schedule["sequences"]]
     plan = steps(schedule)
     session = _session(adapter, documents, dtype)
     for t, (batch, released) in enumerate(plan):
@@ -269,14 +268,21 @@ def run(adapter, schedule: dict, documents: Documents, dtype: str) -> Run:
         for seq in released:
             _call(f"session.release({seq}) after step #{t}", session.release, seq)
     _close(session)
+    return [np.concatenate(p) for p in pieces], [np.concatenate(d) for d in decoded], len(plan)
+
+
+def run(adapter, schedule: dict, documents: Documents, dtype: str) -> Run:
+    """Play ``schedule`` on a fresh session, then prefill every sequence in one call on another."""
+    vocab = documents.config.vocab_size
+    tokens = [documents.of(k, s) for k, s in enumerate(schedule["sequences"])]
+    stepped, decoded, taken = play(adapter, schedule, tokens, documents, dtype)
     session = _session(adapter, documents, dtype)
     given = dict(enumerate(tokens))
     where = f"{adapter.name} session.step (one-call prefill of every sequence)"
     out = _call(where, session.step, given)
     check_step(out, given, vocab, dtype, where)
     _close(session)
-    return Run([np.concatenate(p) for p in pieces], [np.concatenate(d) for d in decoded],
-               [out[k] for k in range(len(sequences))], len(plan))
+    return Run(stepped, decoded, [out[k] for k in range(len(tokens))], taken)
 
 
 class LogitRows:

@@ -62,6 +62,13 @@ SERVING_FIELDS = {
     "worst": (dict, type(None)), "factor": "number", "floor": "number", "failing": int, "failing_features": dict,
     "case": (dict, type(None)), "features": list, "message": str, "rerun": str, "deviation": str,
 }
+INVARIANCE_FIELDS = {
+    "backend": str, "dtype": str, "relation": str, "claimed": bool, "outcome": str, "schedules": int, "rows": int,
+    "differing": int, "worst": (dict, type(None)), "message": str, "rerun": str,
+}
+INVARIANCE_OUTCOMES = ("held", "varies", "failed", "errored", "unsupported", "not run")
+OP_INVARIANCE_FIELDS = {"backend": str, "dtype": str, "op": str, "nodes": int, "rows": int, "differing": int,
+                        "ulps": "number", "where": str}
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
@@ -253,6 +260,22 @@ def serving_entry(record, deviation: str = "") -> dict:
     }
 
 
+def invariance_entry(record) -> dict:
+    """One ``invariance`` entry from a ``properties.invariance.InvarianceRecord``."""
+    w = record.worst
+    worst = None if w is None else {"sequence": w.sequence, "position": w.position, "rows": w.rows,
+                                    "ulps": encode(w.ulps), "against": w.against, "schedule": _jsonable(w.schedule)}
+    return {"backend": record.backend, "dtype": record.dtype, "relation": record.relation, "claimed": record.claimed,
+            "outcome": record.outcome, "schedules": record.schedules, "rows": record.rows,
+            "differing": record.differing, "worst": worst, "message": record.message, "rerun": record.rerun}
+
+
+def op_invariance_entry(record) -> dict:
+    """One ``op_invariance`` entry from a ``properties.invariance.OpInvarianceRecord``."""
+    return {"backend": record.backend, "dtype": record.dtype, "op": record.op, "nodes": record.nodes,
+            "rows": record.rows, "differing": record.differing, "ulps": encode(record.ulps), "where": record.where}
+
+
 def document(recorder, env: dict | None = None, deviations=()) -> dict:
     """The report document of a run: ``recorder`` is the plugin's ``properties.record.Recorder``;
     ``env`` is ``environment()``'s dict (collected now when None); ``deviations`` the
@@ -276,6 +299,10 @@ def document(recorder, env: dict | None = None, deviations=()) -> dict:
         "serving": [serving_entry(r, excused.get((backend, dtype, "serving"), ""))
                     for (backend, dtype), r in sorted(recorder.serving.items(),
                                                       key=lambda item: (item[0][0], dtype_rank(item[0][1])))],
+        "invariance": [invariance_entry(r) for r in sorted(recorder.invariance.values(), key=lambda r: (
+            r.backend, dtype_rank(r.dtype), r.relation))],
+        "op_invariance": [op_invariance_entry(r) for r in sorted(recorder.op_invariance.values(), key=lambda r: (
+            r.backend, dtype_rank(r.dtype), ops.index(r.op)))],
         "problems": [{"test": p.test, "phase": p.phase, "message": p.message} for p in recorder.problems],
         "deviations": [deviation_entry(e) for e in deviations],
     }
@@ -437,6 +464,7 @@ def validate(document, source: str = "<document>") -> dict:
         _check_fields(entry, SERVING_FIELDS, f"serving[{i}]", source)
         if entry["outcome"] not in OUTCOMES:
             raise ReportError(f"{source}: serving[{i}].outcome is {entry['outcome']!r}, expected one of {OUTCOMES}")
+    _validate_invariance(document, source)
     for i, entry in enumerate(document["forward"]):
         _check_fields(entry, FORWARD_FIELDS, f"forward[{i}]", source)
         for key in ("layers", "logits", "logprob_gap"):
@@ -450,6 +478,20 @@ def validate(document, source: str = "<document>") -> dict:
                 raise ReportError(f"{source}: traces[{i}].nodes[{j}].outcome is {node['outcome']!r}, expected one "
                                   f"of {NODE_OUTCOMES}")
     return document
+
+
+def _validate_invariance(document: dict, source: str) -> None:
+    """The optional invariance keys, when present (a document written before them has neither)."""
+    for key, fields in (("invariance", INVARIANCE_FIELDS), ("op_invariance", OP_INVARIANCE_FIELDS)):
+        if key not in document:
+            continue
+        if not isinstance(document[key], list):
+            raise ReportError(f"{source}: \"{key}\" is not an array")
+        for i, entry in enumerate(document[key]):
+            _check_fields(entry, fields, f"{key}[{i}]", source)
+            if key == "invariance" and entry["outcome"] not in INVARIANCE_OUTCOMES:
+                raise ReportError(f"{source}: invariance[{i}].outcome is {entry['outcome']!r}, expected one of "
+                                  f"{INVARIANCE_OUTCOMES}")
 
 
 def load(path) -> dict:

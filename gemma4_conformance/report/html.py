@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from gemma4_conformance.spec import OP_NAMES
+from gemma4_conformance.adapters import INVARIANCE
 from gemma4_conformance.spec.model import LAYER_NODES
 
 from .data import dtype_rank, number, validate
@@ -583,7 +584,53 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         "n_results": n_results,
         "warn_headroom": fmt(WARN_HEADROOM),
         "colours": COLOURS,
+        **invariance_context(documents, label, command),
     }
+
+
+INVARIANCE_CLASSES = {"held": "ok", "varies": "warn", "failed": "fail", "errored": "broken", "unsupported": "unsup",
+                      "not run": "notrun"}
+
+
+def _invariance_cell(entry: dict | None) -> dict:
+    """One relation of one backend and dtype: coloured by outcome (orange: not claimed and varies), its text
+    the outcome and whether it was claimed, its title the worst difference."""
+    if entry is None:
+        return {"cls": "none", "text": "", "title": "not tested", "claimed": False}
+    claim = "claimed" if entry["claimed"] else "not claimed"
+    title = f"{entry['relation']}: {entry['outcome']} ({claim}); {entry['differing']} of {entry['rows']} rows " \
+            f"differ in {entry['schedules']} schedule{'s' if entry['schedules'] != 1 else ''}"
+    w = entry["worst"]
+    if w is not None:
+        title += f"; worst: sequence {w['sequence']} ({w['against']}) from position {w['position']}, " \
+                 f"{w['rows']} rows, up to {fmt(w['ulps'])} ULPs"
+    text = entry["outcome"] + (f" · {fmt(w['ulps'])} ULPs" if w is not None else "")
+    return {"cls": INVARIANCE_CLASSES[entry["outcome"]], "text": text, "title": title, "claimed": entry["claimed"]}
+
+
+def invariance_context(documents: list[dict], label, command) -> dict:
+    """The invariance section: per column and dtype the three relations (claimed or measured, held or
+    not, the worst difference) and the ops that are not batch-invariant; the claims that broke, with
+    their rerun commands.  Documents without the invariance keys contribute nothing."""
+    relations: dict[tuple, dict] = {}
+    ops: dict[tuple, list] = {}
+    for i, d in enumerate(documents):
+        for e in d.get("invariance", []):
+            relations.setdefault((i, e["backend"], e["dtype"]), {})[e["relation"]] = e
+        for e in d.get("op_invariance", []):
+            ops.setdefault((i, e["backend"], e["dtype"]), []).append(e)
+    rows, failures = [], []
+    for key in sorted(set(relations) | set(ops), key=lambda k: (k[0], k[1], dtype_rank(k[2]))):
+        i, backend, dtype = key
+        entries = relations.get(key, {})
+        checked = ops.get(key, [])
+        varying = [f"{e['op']} ({fmt(e['ulps'])} ULPs; first at {e['where']})" for e in checked if e["differing"]]
+        rows.append({"column": label(i, backend), "dtype": dtype,
+                     "cells": [_invariance_cell(entries.get(r)) for r in INVARIANCE],
+                     "ops": "; ".join(varying) or ("none" if checked else "—"), "checked": len(checked)})
+        failures += [{"column": label(i, backend), "dtype": dtype, "relation": r, "message": e["message"],
+                      "rerun": command(e["rerun"])} for r, e in entries.items() if e["outcome"] == "failed"]
+    return {"invariance": rows, "invariance_relations": list(INVARIANCE), "invariance_failures": failures}
 
 
 TRACE_CLASSES = {"passed": "ok", "failed": "fail", "not traced": "notrun", "inputs not traced": "unsup"}

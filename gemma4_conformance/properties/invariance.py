@@ -1,0 +1,250 @@
+"""Invariance: the same logits whatever the run, the batch or the chunking (issue 28).
+
+Accuracy asks how far an engine's logits are from the exact ones; invariance asks whether they change
+when nothing a user controls changes.  Three relations on a session (the serving contract of
+serving.py), each compared bitwise, never against the reference:
+
+* run: a schedule played twice, each time in a fresh session, gives the same logits;
+* batch: a sequence's logits alone (the same chunks and decode steps, in a session of its own) equal
+  its logits beside the schedule's partners, which join and leave while it runs (the first sequence
+  of the schedule: every other one would cost a play of its own);
+* chunk: a prompt prefilled in one call, in the drawn chunks and token by token gives the same logits
+  at every position (its decode steps included), each way alone in its session.
+
+The schedules are the serving test's (drawn and shrunk by Hypothesis); a sequence reads the tokens
+of its document.  An adapter declares what it promises (``invariance``, adapters/__init__.py): a
+promise that breaks fails the run; an unpromised relation is measured and reported only.
+
+Op by op, ``OpInvariance`` finds which kernel breaks batch invariance: each op of a forward's graph,
+at its first nodes, computed on all its rows and on each row alone (``linear``, ``gate_up`` and
+``lm_head`` also in blocks of several M rows: split-K and tile choices follow the batch size);
+attention on a query with the queries after it and the keys they see beside it, against the query
+alone with its own keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gemma4_conformance.adapters import INVARIANCE
+from gemma4_conformance.spec import CONTRACT
+from gemma4_conformance.spec.formats import ulp_distance
+from gemma4_conformance.spec.model import forward
+
+from .forward import AdapterOps
+from .serving import Documents, case_json, play
+
+RELATIONS = INVARIANCE
+DESCRIPTIONS = {"run": "the same schedule played twice, in fresh sessions",
+                "batch": "a sequence alone against beside its partners",
+                "chunk": "a prompt prefilled in one call, in chunks and token by token"}
+
+
+def fixed(window: int) -> dict:
+    """The schedule every run checks first, smaller than the serving test's (each relation plays it
+    several times): a prompt past the window in two chunks, then decode steps; a partner's prompt joins
+    its first decode step (a step of 4 rows where it alone has 1, as in continuous batching) and the
+    partner leaves before it ends."""
+    return {"sequences": [{"id": 0, "join": 0, "chunks": [window - 3, 5], "decode": 3},
+                          {"id": 1, "join": 2, "chunks": [3], "decode": 1}]}
+
+
+def claims(adapter) -> frozenset[str]:
+    """What ``adapter`` promises (checked when it was loaded)."""
+    return frozenset(getattr(adapter, "invariance", ()))
+
+
+@dataclass
+class Difference:
+    """Where two plays of one sequence differ: the first differing position, how many rows differ, the
+    largest difference in ULPs of the dtype (0 when rows wider than the dtype differ below its ULP)."""
+
+    sequence: int
+    position: int
+    rows: int
+    ulps: float
+    against: str  # what was compared, e.g. "token by token against one call"
+    schedule: dict | None = None
+
+
+def compare(a: np.ndarray, b: np.ndarray, dtype: str, sequence: int, against: str) -> Difference | None:
+    """Bitwise, row by row: None when every row is identical."""
+    def bits(x):
+        return np.ascontiguousarray(x).view(np.uint8).reshape(len(x), -1)
+
+    differ = np.any(bits(a) != bits(b), axis=1) if a.dtype == b.dtype else np.ones(len(a), bool)
+    if not differ.any():
+        return None
+    ulps = float(ulp_distance(a[differ], b[differ], dtype).max())
+    return Difference(sequence, int(np.argmax(differ)), int(differ.sum()), ulps, against)
+
+
+@dataclass
+class Verdict:
+    """One schedule under one relation: the rows compared, and each sequence's difference."""
+
+    rows: int
+    differences: list[Difference]
+
+    def message(self, relation: str, dtype: str) -> str:
+        lines = [f"{relation} invariance ({DESCRIPTIONS[relation]}) does not hold in {dtype}:"]
+        lines += [f"  sequence {d.sequence}, {d.against}: from position {d.position}, {d.rows} rows differ, by up "
+                  f"to {d.ulps:.3g} ULPs" for d in self.differences]
+        return "\n".join(lines)
+
+
+def _alone(sequence: dict, chunks: list[int]) -> dict:
+    return {"sequences": [{"id": 0, "join": 0, "chunks": chunks, "decode": sequence["decode"]}]}
+
+
+class Plays:
+    """Plays shared by the relations, per adapter, dtype, schedule and tokens: the run relation's first play
+    of a schedule is the batch relation's play beside the partners, and the batch relation's first
+    sequence alone is the chunk relation's play in the drawn chunks (a fifth of the cost less).  The run
+    relation's second play is always a fresh one."""
+
+    def __init__(self):
+        self.rows: dict[tuple, list[np.ndarray]] = {}
+
+    def __call__(self, adapter, schedule: dict, tokens: list[np.ndarray], documents: Documents, dtype: str):
+        key = (adapter.name, dtype, case_json(schedule), b"".join(t.tobytes() for t in tokens))
+        if key not in self.rows:
+            self.rows[key] = play(adapter, schedule, tokens, documents, dtype)[0]
+        return self.rows[key]
+
+
+def check(relation: str, adapter, schedule: dict, documents: Documents, dtype: str, plays: Plays) -> Verdict:
+    """Play what ``relation`` compares for ``schedule`` (through ``plays``) and compare it bitwise."""
+    sequences = schedule["sequences"]
+    tokens = [documents.of(k, s) for k, s in enumerate(sequences)]
+    first = _alone(sequences[0], sequences[0]["chunks"])
+    if relation == "run":
+        again, _, _ = play(adapter, schedule, tokens, documents, dtype)
+        pairs = [(k, again[k], rows, "the second play against the first")
+                 for k, rows in enumerate(plays(adapter, schedule, tokens, documents, dtype))]
+    elif relation == "batch":  # the first sequence, which the others join and leave: two plays, not one a sequence
+        pairs = [(0, plays(adapter, schedule, tokens, documents, dtype)[0],
+                  plays(adapter, first, tokens[:1], documents, dtype)[0], "beside its partners against alone")]
+    else:  # chunk: the first sequence, alone, its prompt in one call, in its drawn chunks, token by token
+        s = sequences[0]
+        prompt = sum(s["chunks"])
+        whole = plays(adapter, _alone(s, [prompt]), tokens[:1], documents, dtype)[0]
+        ways = {"token by token": _alone(s, [1] * prompt)}
+        if s["chunks"] != [prompt]:
+            ways[f"in chunks {s['chunks']}"] = first
+        pairs = [(0, plays(adapter, alone, tokens[:1], documents, dtype)[0], whole, f"{way} against one call")
+                 for way, alone in ways.items()]
+    differences = []
+    for k, rows, reference, against in pairs:
+        found = compare(rows, reference, dtype, k, against)
+        if found is not None:
+            found.schedule = schedule
+            differences.append(found)
+    return Verdict(sum(len(rows) for _, rows, _, _ in pairs), differences)
+
+
+# ----------------------------------------------------------------------------------------- record
+
+@dataclass
+class InvarianceRecord:
+    """Per backend, dtype and relation: whether it was claimed, what was compared, the worst difference."""
+
+    backend: str
+    dtype: str
+    relation: str
+    claimed: bool = False
+    outcome: str = "not run"  # held, varies (not claimed, and it does not hold), failed (claimed), errored, unsupported
+    schedules: int = 0
+    rows: int = 0  # rows compared
+    differing: int = 0  # of those, rows that differ
+    worst: Difference | None = None  # the difference of the most ULPs
+    message: str = ""
+    rerun: str = ""
+
+    def add(self, verdict: Verdict) -> None:
+        self.schedules += 1
+        self.rows += verdict.rows
+        self.differing += sum(d.rows for d in verdict.differences)
+        for d in verdict.differences:
+            if self.worst is None or d.ulps > self.worst.ulps:
+                self.worst = d
+
+    def varied(self, message: str, rerun: str) -> None:
+        """A difference: a failure when claimed, a measurement otherwise (the first is kept, as the one to rerun)."""
+        if self.outcome not in ("failed", "varies", "errored"):
+            self.outcome, self.message, self.rerun = ("failed" if self.claimed else "varies"), message, rerun
+
+
+# ----------------------------------------------------------------------------------------- op by op
+
+# How many nodes of each op a forward checks: the first ones (a layer of each kind holds every op).
+NODES_PER_OP = 2
+BLOCKS = (3, 8)  # the M of the linear family's extra blocks, beside 1 (each row alone) and all rows
+LINEAR_FAMILY = ("linear", "gate_up", "lm_head")
+
+
+@dataclass
+class OpInvarianceRecord:
+    """Per backend, dtype and op: rows computed alone (or in blocks) against in the whole call."""
+
+    backend: str
+    dtype: str
+    op: str
+    nodes: int = 0
+    rows: int = 0
+    differing: int = 0
+    ulps: float = 0.0
+    where: str = ""  # the first difference: node and how the rows were split
+
+    @property
+    def held(self) -> bool:
+        return self.differing == 0
+
+
+def _row_args(op: str) -> list[bool]:
+    """Which arguments have the op's rows as their leading axis (the keys of attention do not)."""
+    return [a.kind in ("float", "index", "mask") and a.shape.split()[0] in ("...", "T", "S") for a in CONTRACT[op].args]
+
+
+class OpInvariance(AdapterOps):
+    """An adapter's ops for one forward that also checks each op's first nodes for batch invariance."""
+
+    def __init__(self, adapter, dtype: str):
+        super().__init__(adapter, dtype)
+        self.records: dict[str, OpInvarianceRecord] = {}
+
+    def op(self, node, name, *args):
+        out = super().op(node, name, *args)
+        record = self.records.setdefault(name, OpInvarianceRecord(self.name, self.dtype, name))
+        rowwise = _row_args(name)
+        if record.nodes < NODES_PER_OP and any(rowwise) and len(out) > 1:
+            record.nodes += 1
+            for M in (1, *(BLOCKS if name in LINEAR_FAMILY else ())):
+                for start in range(0, len(out), M):
+                    rows = slice(start, min(start + M, len(out)))
+                    self._compare(record, node, name, args, rowwise, out, rows, M)
+        return out
+
+    def _compare(self, record, node, name, args, rowwise, out, rows, M):
+        part = [a[rows] if r else a for a, r in zip(args, rowwise)]
+        if name in ("causal_gqa", "sliding_gqa"):  # a forward's keys sit at positions 0..T-1: those it sees
+            *head, pos, q, k, v = part
+            part = [*head, pos, q, k[:pos.max() + 1], v[:pos.max() + 1]]
+        alone = super().op(node, name, *part)
+        found = compare(alone, out[rows], self.dtype, 0, "")
+        record.rows += len(alone)
+        if found is not None:
+            if not record.differing:
+                record.where = f"{node}: rows {rows.start}..{rows.stop - 1} " + (
+                    "alone" if M == 1 else f"in a block of {M}") + f" against in a call of {len(out)}"
+            record.differing += found.rows
+            record.ulps = max(record.ulps, found.ulps)
+
+
+def op_invariance(adapter, documents: Documents, dtype: str, tokens: int) -> list[OpInvarianceRecord]:
+    """Every op of a forward over the first ``tokens`` tokens of document 0, checked at its first nodes."""
+    ops = OpInvariance(adapter, dtype)
+    forward(ops, documents.config, documents.weights, documents.tokens[0][:tokens])
+    return [r for r in ops.records.values() if r.nodes]

@@ -1,0 +1,137 @@
+"""Invariance verdicts: claims, not guesses.  A correct engine that claims nothing never fails on
+invariance, one that claims all three and holds them passes, a claim that breaks fails the run
+(exit 1) with a rerun command that fails again, an unknown claim is a usage error; the bitwise
+comparison and the op-level check find what they must."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gemma4_conformance.adapters import AdapterError, load
+from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
+from gemma4_conformance.properties.invariance import (
+    Difference,
+    InvarianceRecord,
+    OpInvariance,
+    OpInvarianceRecord,
+    compare,
+)
+from gemma4_conformance.properties.record import Recorder
+from gemma4_conformance.report import data, html
+from tests.invariance_mutants import MUTANTS, ROW_BY_ROW
+from tests.test_plugin import rerun_elsewhere, suite
+
+ROW_BY_ROW_SPEC = "tests.invariance_mutants:ADAPTERS.row_by_row"
+
+
+def test_an_engine_that_claims_nothing_never_fails_on_invariance(tmp_path):
+    """The numpy session varies with the batch and the chunking (BLAS picks its kernel by M): measured,
+    reported, and the run is conformant."""
+    status, out, doc = suite(tmp_path, "--backend=tests.invariance_mutants:ADAPTERS.claims_nothing", "-k", "invariance")
+    assert status == EXIT_CONFORMANT, out[-3000:]
+    entries = {e["relation"]: e for e in doc["invariance"]}
+    assert set(entries) == {"run", "batch", "chunk"} and not any(e["claimed"] for e in entries.values())
+    assert {e["outcome"] for e in entries.values()} <= {"held", "varies"}
+    varies = [e for e in entries.values() if e["outcome"] == "varies"]
+    assert varies, "the numpy session is expected to vary somewhere; else this test cannot tell a failure"
+    for e in varies:
+        assert e["differing"] and e["worst"]["rows"] and e["worst"]["ulps"] > 0 and "--case=" in e["rerun"]
+    assert "invariance:batch" in out
+    page = (tmp_path / "report.html").read_text()
+    assert 'id="invariance"' in page and "varies" in page and "invariance claim" not in page
+
+
+def test_an_engine_that_claims_all_three_and_holds_them_passes(tmp_path):
+    status, out, doc = suite(tmp_path, f"--backend={ROW_BY_ROW_SPEC}", "-k", "invariance")
+    assert status == EXIT_CONFORMANT, out[-3000:]
+    assert {(e["relation"], e["claimed"], e["outcome"]) for e in doc["invariance"]} == {
+        ("run", True, "held"), ("batch", True, "held"), ("chunk", True, "held")}
+    assert doc["op_invariance"] and not any(e["differing"] for e in doc["op_invariance"])
+
+
+def test_a_claim_that_breaks_fails_the_run_and_its_rerun_fails_again(tmp_path):
+    mutant = "tests.invariance_mutants:ADAPTERS.keys_in_bf16_when_batch_large"
+    status, out, doc = suite(tmp_path, f"--backend={mutant}", "-k", "test_invariance")
+    assert status == EXIT_NOT_CONFORMANT, out[-3000:]
+    entries = {e["relation"]: e for e in doc["invariance"]}
+    assert {r: e["outcome"] for r, e in entries.items()} == {"run": "held", "batch": "failed", "chunk": "held"}
+    entry = entries["batch"]
+    assert entry["claimed"] and entry["outcome"] == "failed" and entry["worst"]["ulps"] > 1
+    assert "batch invariance" in entry["message"] and "rows differ" in entry["message"]
+    page = (tmp_path / "report.html").read_text()
+    assert "1 invariance claim broken" in page and "batch invariance — claimed, and it does not hold" in page
+    done = rerun_elsewhere(tmp_path, entry["rerun"])
+    assert done.returncode == EXIT_NOT_CONFORMANT and "claims it" in done.stdout, done.stdout[-3000:]
+
+
+def test_each_mutant_breaks_only_under_a_claim():
+    assert all(m.invariance and m.invariance < ROW_BY_ROW.invariance for m in MUTANTS)
+
+
+@pytest.mark.parametrize("claims", [{"batch", "determinism"}, "run"])
+def test_an_unknown_claim_is_refused_naming_the_known_ones(claims, monkeypatch):
+    monkeypatch.setattr(ROW_BY_ROW, "invariance", claims)
+    with pytest.raises(AdapterError, match="claims the invariance .*run, batch, chunk"):
+        load(ROW_BY_ROW_SPEC)
+
+
+def test_an_unknown_claim_is_a_usage_error(tmp_path):
+    status, out, _ = suite(tmp_path, "--backend=tests.test_invariance:CLAIMS_TOO_MUCH", "-k", "invariance")
+    assert status == 4 and "--backend" in out and "claims the invariance" in out, out[-3000:]
+
+
+class CLAIMS_TOO_MUCH:  # noqa: N801 - loaded by path above
+    name, dtypes, invariance = "too-much", ("float32",), {"run", "bitwise"}
+
+
+def test_compare_counts_rows_bitwise_and_measures_ulps():
+    a = np.zeros((4, 3), np.float32)
+    b = a.copy()
+    assert compare(a, b, "float32", 0, "") is None
+    b[1, 2], b[3, 0] = np.nextafter(np.float32(0), np.float32(1)), -0.0
+    found = compare(a, b, "float32", 5, "x")
+    assert (found.sequence, found.position, found.rows) == (5, 1, 2)  # -0.0 differs in its bits, by 0 ULPs
+    assert found.ulps == 1
+
+
+def test_the_op_check_finds_a_kernel_chosen_by_the_number_of_rows():
+    """linear in two K halves from 4 rows: each row alone is the other kernel; 3 rows still the same."""
+    ops = OpInvariance(MUTANTS[0], "float32")
+    rng = np.random.default_rng(0)
+    W, x = rng.standard_normal((16, 64)).astype(np.float32), rng.standard_normal((6, 64)).astype(np.float32)
+    ops.op("layers.0.q", "linear", W, x)
+    record = ops.records["linear"]
+    assert record.differing and record.where.startswith("layers.0.q: rows 0..0 alone against in a call of 6")
+    held = OpInvariance(ROW_BY_ROW, "float32")
+    held.op("layers.0.q", "linear", W, x)
+    assert held.records["linear"].held and held.records["linear"].rows == 6 + 6 + 6
+
+
+def test_documents_without_the_invariance_keys_still_load_and_merge():
+    doc = data.document(Recorder(), env={})
+    assert doc["invariance"] == [] and doc["op_invariance"] == []
+    old = {k: v for k, v in doc.items() if k not in ("invariance", "op_invariance")}
+    assert data.validate(old) is old
+    new = {**doc, "op_invariance": [{"backend": "b", "dtype": "float32", "op": "linear", "nodes": 2, "rows": 6,
+                                     "differing": 1, "ulps": 3.0, "where": "layers.0.q: rows 0..0 alone"}]}
+    assert "Invariance was not tested." in html.render([old])
+    assert "linear (3 ULPs; first at layers.0.q: rows 0..0 alone)" in html.render([old, new])
+    with pytest.raises(data.ReportError, match="invariance"):
+        data.validate({**doc, "invariance": [{"backend": "x"}]})
+
+
+def test_an_xdist_worker_sends_its_invariance_records_and_an_older_one_sends_none():
+    worker = Recorder()
+    record = InvarianceRecord("b", "float32", "batch", claimed=True, outcome="failed", schedules=2, rows=14,
+                              differing=3, worst=Difference(0, 10, 3, 1.5e4, "beside its partners against alone",
+                                                            {"sequences": []}), message="m", rerun="r")
+    worker.invariance["b", "float32", "batch"] = record
+    worker.op_invariance["b", "float32", "linear"] = OpInvarianceRecord("b", "float32", "linear", 2, 36, 4, 9.0, "w")
+    controller = Recorder()
+    controller.merge(json.loads(json.dumps(worker.export())))
+    assert controller.invariance == worker.invariance and controller.op_invariance == worker.op_invariance
+    older = {k: v for k, v in worker.export().items() if k not in ("invariance", "op_invariance")}
+    Recorder().merge(older)
