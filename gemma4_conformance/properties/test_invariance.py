@@ -14,9 +14,11 @@ import pytest
 from hypothesis import currently_in_test_context, given, settings, target
 
 from gemma4_conformance.adapters import DTYPES
+from gemma4_conformance.spec.model import OPS_USED
 
 from .harness import ContractViolation, rerun_command
 from .invariance import RELATIONS, InvarianceRecord, Plays, check, claims, fixed, op_invariance
+from .record import UnsupportedSkip
 from .serving import EXAMPLES_SHARE, SERVING_DTYPES, case_json, normalize, schedules, validate
 from .test_serving import documents  # noqa: F401 - the serving test's checkpoint and documents
 
@@ -89,6 +91,9 @@ def test_op_batch_invariance(request, backend, adapter, invariance_dtype, docume
     dtype = invariance_dtype
     if dtype not in adapter.dtypes or dtype not in request.config.conformance_dtypes:
         pytest.skip(f"{adapter.name} is not tested in {dtype} here")
+    missing = [op for op in OPS_USED if not hasattr(adapter, op)]
+    if missing:  # the check composes a forward of the adapter's own ops
+        raise UnsupportedSkip(f"{adapter.name} does not implement {', '.join(missing)}")
     try:
         records = op_invariance(adapter, documents, dtype, OP_TOKENS)
     except ContractViolation as e:
