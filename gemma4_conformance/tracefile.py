@@ -14,11 +14,9 @@ dtypes, NaN, the checkpoint) is checked where they are judged (properties/record
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import mmap
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +24,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import serialize_file
 from safetensors.numpy import TensorSpec
+
+from gemma4_conformance.fixtures.checkpoint import safetensors_header
 
 FORMAT = "gemma4-conformance-trace"
 VERSION = "1"
@@ -60,23 +60,10 @@ def read(path) -> TraceFile:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise TraceFileError(f"{path}: truncated file: {size} bytes, too short for a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if 8 + n > size:
-                raise TraceFileError(f"{path}: truncated or not a safetensors file: the header claims {n} bytes, "
-                                     f"the file holds {size} in all")
-            raw = f.read(n)
+            header, n = safetensors_header(f, size, path, TraceFileError)
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as e:
         raise TraceFileError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TraceFileError(f"{path}: corrupt safetensors header (not valid JSON): {e}") from None
-    if not isinstance(header, dict):
-        raise TraceFileError(f"{path}: corrupt safetensors header: not a JSON object")
     metadata = header.pop("__metadata__", None)
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise TraceFileError(f"{path}: no __metadata__ of strings in the header; a trace file needs "
