@@ -311,7 +311,8 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
     # ULPs at the scale, with the absolute allowance folded into the unit: error <= budget * unit.
     # The error models read the exact result only as |exact| in the scale (1-Lipschitz): the unit at
     # the ends of its enclosure bounds the ULPs.
-    unit = scale_ulp(scale, dtype) + absolute / allowed
+    spacing = scale_ulp(scale, dtype)
+    unit = spacing + absolute / allowed
     unit_low = scale_ulp(np.maximum(scale - rad, 0.0), dtype) + absolute / allowed
     with np.errstate(all="ignore"):
         ulps = np.where(finite, error / unit, np.inf)
@@ -352,7 +353,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
             f"error {ulps[worst]:.4g} ULPs at the op's scale > budget {allowed:.4g} ({b.formula}) at "
             f"{_coords(index, worst)}: got {got64[worst]!r}, exact {float(exact64[worst])!r} "
             f"(correctly rounded {expected[worst]!r}), scale {float(scale[worst]):.6g}")
-    tier1_allowance = allowed * scale_ulp(scale, dtype) + absolute
+    tier1_allowance = allowed * spacing + absolute
     whole = np.zeros(got.shape, dtype=bool)  # a decision about the whole example too close to call
     uncertain = bool(np.any(rad > 0))
 
