@@ -15,7 +15,7 @@ JSON report and log) and, per library, ``traces-JOB.tar.gz``.
 
 The record step: each library's first job runs its forward once more, in bf16 (the forward test
 alone, no oracle work), with ``--record-traces``, so its trace files (every node of the generated
-checkpoint, about 10 MB) can be judged on any CPU: ``python -m gemma4_conformance.fixtures.generate
+checkpoint, about 10 MB) can be judged on any CPU: ``python -m gemma4_conformance.checkpoints.generate
 CKPT`` writes the same checkpoint (the file's checkpoint_sha256 says so), then ``gemma4-conformance
 judge FILE --weights=CKPT``.
 
@@ -178,7 +178,7 @@ def record(jobs: list[Job], args, work: Path) -> list[str]:
         size = sum(f.stat().st_size for f in files) / 1e6
         lines.append(f"   recorded {', '.join(f.name for f in files)} ({size:.1f} MB, "
                      f"{time.monotonic() - began:.0f} s, forward test exit {done.returncode}) -> {bundle.name}")
-    return ["record step: trace files to judge anywhere (python -m gemma4_conformance.fixtures.generate CKPT, then "
+    return ["record step: trace files to judge anywhere (python -m gemma4_conformance.checkpoints.generate CKPT, then "
             "gemma4-conformance judge FILE --weights=CKPT)"] + lines
 
 

@@ -17,8 +17,8 @@
    itself.  It also counts, per backend and op, how many output elements the oracle checked out of
    how many the backend made, and the same for the forward's certification and the trace.
 
-It patches only the suite's module attributes (the op table's oracles, ``harness.call``,
-``harness.assess`` and their imports in forward and trace), so it measures any checkout of the suite: run it
+It patches only the suite's module attributes (the op table's oracles, ``judging.call``,
+``judging.assess`` and their imports in forward and trace), so it measures any checkout of the suite: run it
 with ``PYTHONPATH=<other checkout>`` from that checkout's root to compare two versions back to back.
 """
 
@@ -63,8 +63,8 @@ CATEGORY_TITLES = {
 # 1. Oracle throughput ---------------------------------------------------------------------------------
 
 def _values(rng, shape, dtype, scale=1.0):
-    from gemma4_conformance.spec import fmt
-    return (rng.standard_normal(shape) * scale).astype(fmt(dtype).dtype)
+    from gemma4_conformance.spec import format_of
+    return (rng.standard_normal(shape) * scale).astype(format_of(dtype).dtype)
 
 
 def _linear(K):
@@ -151,11 +151,11 @@ ELEMENTWISE = [(f"{op} 4096", op, _elementwise(op), "outputs", _doublings(4096))
 
 
 def judging_throughput(dtypes: list[str], min_seconds: float, max_work: float) -> list[dict]:
-    """Oracle plus judging (harness.assess: the first stage, and the oracle where it cannot decide) of
+    """Oracle plus judging (judging.assess: the first stage, and the oracle where it cannot decide) of
     the numpy backend's output, per op and dtype, grown as ``oracle_throughput``; rates in output
     elements per CPU second, and in the op's own unit."""
     from gemma4_conformance import adapters
-    from gemma4_conformance.properties.harness import assess, call
+    from gemma4_conformance.properties.judging import assess, call
 
     numpy_backend = adapters.load("numpy")
     rows = []
@@ -301,20 +301,20 @@ class Profiler:
 
     # the patches
     def install(self):
-        from gemma4_conformance.properties import forward, harness, relations, table
+        from gemma4_conformance.properties import forward, judging, relations, table
 
         traced = importlib.util.find_spec("gemma4_conformance.properties.trace")  # absent in older checkouts
         trace = importlib.import_module(traced.name) if traced else None
 
         for name, entry in list(table.OPS.items()):
             table.OPS[name] = dataclasses.replace(entry, oracle=self._oracle(name, entry.oracle))
-        for module in (harness, relations, forward):
+        for module in (judging, relations, forward):
             if hasattr(module, "call"):
                 module.call = self._call(module.call)
-        for module in (harness, relations):
+        for module in (judging, relations):
             if hasattr(module, "build"):
                 module.build = self._timed("inputs", module.build)
-        harness.assess = self._assess(harness.assess, certification=False)
+        judging.assess = self._assess(judging.assess, certification=False)
         forward.assess = self._assess(forward.assess, certification=True)
         if trace is not None:
             trace.assess = self._assess(trace.assess, certification=False)  # counted as the trace's by _kind

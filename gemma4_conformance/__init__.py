@@ -3,7 +3,7 @@
     spec/        the arbitrary-precision oracles, one per Lean definition, and the model graph
     adapters/    the backends under test (numpy, torch, jax, or an engine's own)
     properties/  the property tests: oracle agreement, the spec's theorems, the full forward
-    fixtures/    model configs, checkpoint loading and generation
+    checkpoints/ model configs, checkpoint loading and generation
     report/      the JSON and HTML tolerance reports
 
 Run it with ``pytest --pyargs gemma4_conformance --backend=NAME`` (see the README and docs/).

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gemma4_conformance import tracefile
-from gemma4_conformance.fixtures import checkpoint
+from gemma4_conformance.checkpoints import checkpoint
 
 RECORDED = ("trace_file", "forward_file")  # the recorded-run tests' parameters
 

@@ -25,9 +25,9 @@ from hypothesis.errors import InvalidArgument
 
 from gemma4_conformance import adapters, report
 from gemma4_conformance.adapters import DTYPES, AdapterError, DeviceError, numpy_backend
-from gemma4_conformance.fixtures import checkpoint, generate
-from gemma4_conformance.fixtures.checkpoint import CheckpointError
-from gemma4_conformance.fixtures.config import ConfigError
+from gemma4_conformance.checkpoints import checkpoint, generate
+from gemma4_conformance.checkpoints.checkpoint import CheckpointError
+from gemma4_conformance.checkpoints.config import ConfigError
 from gemma4_conformance.properties import serving
 from gemma4_conformance.properties.deviations import (
     Deviations,
@@ -267,7 +267,7 @@ def real_checkpoint(request, tmp_path_factory):
     """The slow tests' checkpoint, written once for the run they share: (path, the --weights given or
     None, seconds spent writing). ``--weights`` when given, else the real 12B geometry generated in
     the real layout (24 GB) in a temporary folder."""
-    from gemma4_conformance.fixtures import generate
+    from gemma4_conformance.checkpoints import generate
 
     given = request.config.getoption("--weights")
     if given is not None:

@@ -25,7 +25,7 @@ import numpy as np
 from safetensors import serialize_file
 from safetensors.numpy import TensorSpec
 
-from gemma4_conformance.fixtures.checkpoint import safetensors_header
+from gemma4_conformance.checkpoints.checkpoint import safetensors_header
 
 FORMAT = "gemma4-conformance-trace"
 VERSION = "1"

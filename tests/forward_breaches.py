@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.fixtures.config import TextConfig
+from gemma4_conformance.checkpoints.config import TextConfig
 from gemma4_conformance.properties.forward import AdapterOps, TraceRecorder
 from gemma4_conformance.spec.model import forward
 

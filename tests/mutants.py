@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend as reference
-from gemma4_conformance.spec import CONTRACT, fmt
+from gemma4_conformance.spec import CONTRACT, format_of
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -61,7 +61,7 @@ def _engine_inv_freq(fn):
     @functools.wraps(fn)
     def run(theta, denom, active, i, dtype):
         wide = np.float64 if dtype == "float64" else np.float32
-        return np.asarray(fn(wide(theta), denom, active, np.asarray(i).astype(wide))).astype(fmt(dtype).dtype)
+        return np.asarray(fn(wide(theta), denom, active, np.asarray(i).astype(wide))).astype(format_of(dtype).dtype)
 
     return run
 

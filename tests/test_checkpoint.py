@@ -1,4 +1,4 @@
-"""fixtures.config, fixtures.checkpoint and fixtures.generate: reading both config forms, refusing the
+"""checkpoints.config, checkpoints.checkpoint and checkpoints.generate: reading both config forms, refusing the
 features Gemma 4 12B does not use, writing checkpoints in the real layout, loading them lazily, and a
 clear error for every way a checkpoint can be broken."""
 
@@ -19,8 +19,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gemma4_conformance.fixtures import generate
-from gemma4_conformance.fixtures.checkpoint import (
+from gemma4_conformance.checkpoints import generate
+from gemma4_conformance.checkpoints.checkpoint import (
     INDEX_NAME,
     MULTIMODAL_PREFIX,
     SINGLE_NAME,
@@ -30,7 +30,7 @@ from gemma4_conformance.fixtures.checkpoint import (
     expected_shapes,
     load,
 )
-from gemma4_conformance.fixtures.config import ConfigError, LayerSpec, TextConfig
+from gemma4_conformance.checkpoints.config import ConfigError, LayerSpec, TextConfig
 
 FIXTURE_CONFIG = Path(generate.__file__).resolve().parent / "gemma-4-12B" / "config.json"
 SHARED_CONFIG = Path("/work/shared/gemma-4-12B/config.json")

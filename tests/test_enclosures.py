@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gemma4_conformance import spec
-from gemma4_conformance.spec import enclosures, fmt
+from gemma4_conformance.spec import enclosures, format_of
 from gemma4_conformance.properties.strategies import build, cases, edge_cases
 from gemma4_conformance.properties.table import OPS
 
@@ -30,7 +30,7 @@ def as_mpf(a: np.ndarray) -> np.ndarray:
 
 
 def enclose(op, args, dtype):
-    return enclosures.ENCLOSURES[op](*args, work=enclosures.work_type(fmt(dtype).precision))
+    return enclosures.ENCLOSURES[op](*args, work=enclosures.work_type(format_of(dtype).precision))
 
 
 def assert_encloses(op, args, dtype):

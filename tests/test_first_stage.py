@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gemma4_conformance import adapters, spec
-from gemma4_conformance.spec import fmt, round_to
-from gemma4_conformance.properties.harness import assess, call, correctly_rounded, printed
+from gemma4_conformance.spec import format_of, round_to
+from gemma4_conformance.properties.judging import assess, call, correctly_rounded, printed
 from gemma4_conformance.properties.strategies import build, cases, edge_cases
 from gemma4_conformance.properties.table import OPS
 
@@ -26,7 +26,7 @@ def _outputs(op, args, dtype, out):
     correctly rounded result moved by whole ULPs, zeros and the sign flipped."""
     exact = np.asarray(spec.ORACLES[op](*args), dtype=object).reshape(out.shape)
     nearest = round_to(exact, dtype).astype(np.float64)
-    f = fmt(dtype)
+    f = format_of(dtype)
     spacing = np.where(nearest == 0, f.smallest_subnormal, np.spacing(np.abs(nearest).astype(f.dtype)).astype(float))
     yield out
     for k in (1, 2, 3, 5):
@@ -78,7 +78,7 @@ def test_without_its_fallback_the_first_stage_passes_a_wrong_inf():
     """bf16's largest value plus (1 - 2^-50) times half its top ULP lies just below the overflow
     threshold: it rounds to the largest value, while its float64 enclosure straddles the threshold.
     An inf there is wrong: the oracle fails it, the enclosure alone cannot and passes it."""
-    top = fmt("bfloat16").max_finite
+    top = format_of("bfloat16").max_finite
     args = (1 - 2.0**-50, _bf16([top]), _bf16([2.0**119]))
     out = _bf16([np.inf])
     assert not assess("residual", args, out, "bfloat16").passed
@@ -108,7 +108,7 @@ def test_oracle_rounds_once_linear():
 def test_oracle_rounds_once_at_the_smallest_subnormal(op):
     """silu and GELU of bf16's smallest subnormal s lie just above s / 2 (their slope at 0 is 1/2), so
     they round up to s; at 128 bits they were s / 2 exactly and tied to 0."""
-    s = fmt("bfloat16").smallest_subnormal
+    s = format_of("bfloat16").smallest_subnormal
     exact = np.asarray(spec.ORACLES[op](_bf16([s])), dtype=object)
     _, rounded = correctly_rounded(OPS[op].oracle, (_bf16([s]),), exact, "bfloat16")
     assert float(rounded[0]) == s

@@ -10,7 +10,7 @@ from gemma4_conformance import report
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.plugin import EXIT_BROKEN
 from gemma4_conformance.properties.forward import check_finite, composed, judge_forward
-from gemma4_conformance.properties.harness import ContractViolation
+from gemma4_conformance.properties.judging import ContractViolation
 from gemma4_conformance.properties.record import Recorder
 from gemma4_conformance.properties.trace import completed, judge_trace
 from tests.forward_breaches import BREACHES, LOGITS_ONLY

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.properties.forward import ACCUMULATED, FACTOR, composed, judge_forward, local_errors, reference
 from tests.forward_mutants import MUTANTS, ForwardMutant
 

@@ -9,7 +9,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.properties import recorded
 from gemma4_conformance.spec.model import nodes
 

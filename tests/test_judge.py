@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gemma4_conformance.fixtures import generate
+from gemma4_conformance.checkpoints import generate
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

@@ -19,7 +19,7 @@ import pytest
 
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.adapters.llama_cpp_backend import GraphTensor, TraceCollector
-from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.properties.forward import AdapterOps
 from gemma4_conformance.spec.model import forward, nodes
 
@@ -249,7 +249,7 @@ def _session_verdicts(engine, small, dtype, session):
     """Per sequence of SCHEDULE: (error of the session's logits against the reference, the bound, the
     forward verdict's failures in bfloat16); see the test below."""
     from gemma4_conformance.properties.forward import FACTOR, FLOOR, composed, judge_forward, reference, relative_error
-    from gemma4_conformance.spec import fmt
+    from gemma4_conformance.spec import format_of
 
     folder, weights, _, _ = small
     try:
@@ -260,10 +260,10 @@ def _session_verdicts(engine, small, dtype, session):
     verdicts = []
     for tokens, rows in served:
         tokens, steps = np.array(tokens), np.concatenate(rows)
-        assert steps.shape == (len(tokens), weights.config.vocab_size) and steps.dtype == fmt(dtype).dtype
+        assert steps.shape == (len(tokens), weights.config.vocab_size) and steps.dtype == format_of(dtype).dtype
         prefill = engine.forward(weights, weights.config.raw, tokens, dtype, checkpoint=str(folder))["logits"]
         ref, _ = reference(weights.config, weights, tokens, certify=False)
-        allowed = max(FACTOR * relative_error(prefill, ref["logits"]), FLOOR * fmt(dtype).eps)
+        allowed = max(FACTOR * relative_error(prefill, ref["logits"]), FLOOR * format_of(dtype).eps)
         failures = []
         if dtype == "bfloat16":
             baseline = composed(numpy_backend, weights.config, weights, tokens, dtype)

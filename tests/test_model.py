@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from gemma4_conformance import spec
-from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.properties.forward import reference
 from gemma4_conformance.spec.model import OracleOps, forward
 

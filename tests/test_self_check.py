@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from gemma4_conformance import adapters
 from gemma4_conformance.adapters import DTYPES, numpy_backend
-from gemma4_conformance.properties.harness import assess, case_json, judge
+from gemma4_conformance.properties.judging import assess, case_json, judge
 from gemma4_conformance.properties.record import MIN_INFORMATIVE
 from gemma4_conformance.properties.relations import RELATIONS
 from gemma4_conformance.properties.strategies import build, cases, edge_cases
@@ -93,7 +93,7 @@ FOUND = [
                                      "W": {"shape": [1, 7], "dist": "wide", "log2": 2, "seed": 0},
                                      "mul": 0.5, "cap": None}, "cancel": None}),
     # jax scales q.k in float32 before rounding the logits to bf16 once: 63.883 and 63.874 round to 64
-    # and 63.75, where every arrangement then in properties/plain.py rounded both to the same value
+    # and 63.75, where every arrangement then in properties/baselines.py rounded both to the same value
     # (31 ULPs at the second tier's scale against their 1.1; the arrangement was missing there).
     ("causal_gqa", "bfloat16", {"args": {"scale": 1.3309574530405912, "pos": [1],
                                          "q": {"shape": [1, 1, 1, 4], "dist": "uniform", "log2": -4, "seed": 0},

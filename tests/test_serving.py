@@ -13,11 +13,11 @@ from hypothesis import given, settings
 
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.adapters.session import KVCache, Segment, bucket
-from gemma4_conformance.fixtures import checkpoint, generate
-from gemma4_conformance.fixtures.config import TextConfig
+from gemma4_conformance.checkpoints import checkpoint, generate
+from gemma4_conformance.checkpoints.config import TextConfig
 from gemma4_conformance.plugin import EXIT_BROKEN, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties.forward import relative_error
-from gemma4_conformance.properties.harness import ContractViolation
+from gemma4_conformance.properties.judging import ContractViolation
 from gemma4_conformance.properties.serving import (
     DOCUMENTS,
     FACTOR,

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.checkpoints import checkpoint, generate
 
 SOURCE = Path(__file__).resolve().parent.parent / "examples" / "trace_engine" / "trace_engine.c"
 COMPUTED = ["embed", "layers.0.input_layernorm", "layers.0.q_proj", "layers.0.q_norm", "layers.0.q_rope"]

@@ -11,9 +11,9 @@ pytest.importorskip("transformers")
 from gemma4_conformance.adapters import AdapterError, load  # noqa: E402
 from gemma4_conformance.adapters import transformers_backend as backend  # noqa: E402
 from gemma4_conformance.properties.forward import composed  # noqa: E402
-from gemma4_conformance.properties.harness import judge  # noqa: E402
+from gemma4_conformance.properties.judging import judge  # noqa: E402
 from gemma4_conformance.properties.trace import completed, judge_trace  # noqa: E402
-from gemma4_conformance.spec import fmt  # noqa: E402
+from gemma4_conformance.spec import format_of  # noqa: E402
 from gemma4_conformance.spec.model import nodes  # noqa: E402
 from tests.trace_engines import small_model  # noqa: E402
 
@@ -37,7 +37,7 @@ def test_the_trace_is_every_node_as_the_model_computed_it(model):
     out = composed(load("transformers"), weights.config, weights, tokens, "bfloat16", trace=True)
     trace = out["trace"]
     assert set(nodes(weights.config)) - set(trace) == {"logits"}  # the forward's logits stand for it
-    assert all(a.dtype == fmt("bfloat16").dtype for a in trace.values())  # the model's own bf16 tensors
+    assert all(a.dtype == format_of("bfloat16").dtype for a in trace.values())  # the model's own bf16 tensors
     for i, h in enumerate(out["hidden_states"]):
         np.testing.assert_array_equal(h, trace[f"layers.{i}.layer_scalar"])
     # mlp_residual is the sum the layer scales in place: taken before the product overwrote it.

@@ -17,8 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from gemma4_conformance.adapters import vllm_backend  # noqa: E402
-from gemma4_conformance.fixtures import generate  # noqa: E402
-from gemma4_conformance.fixtures.config import TextConfig  # noqa: E402
+from gemma4_conformance.checkpoints import generate  # noqa: E402
+from gemma4_conformance.checkpoints.config import TextConfig  # noqa: E402
 from gemma4_conformance.spec.model import nodes  # noqa: E402
 
 nn = torch.nn
@@ -211,7 +211,7 @@ def test_rotated_values_are_copied_when_recorded(cfg):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason=vllm_backend.SETUP["vllm"])
 def test_real_vllm_forward_keeps_the_contract(tmp_path, cfg):
-    from gemma4_conformance.fixtures import checkpoint
+    from gemma4_conformance.checkpoints import checkpoint
 
     folder = generate.write_checkpoint(tmp_path / "small", generate.small_config(), seed=0)
     weights = checkpoint.load(folder)
@@ -230,7 +230,7 @@ def test_real_vllm_session_reads_its_prefix_cache_and_matches_the_reference(tmp_
     vLLM's scheduling alone; here a 300-token sequence stepped past two units reads its cache, and
     every row is judged as the serving test judges a sequence."""
     from gemma4_conformance.adapters import numpy_backend
-    from gemma4_conformance.fixtures import checkpoint
+    from gemma4_conformance.checkpoints import checkpoint
     from gemma4_conformance.properties.forward import LONG_CONTEXT_OPS, composed, judge_forward, reference
     from gemma4_conformance.properties.serving import FACTOR
 

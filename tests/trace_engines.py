@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.properties.forward import AdapterOps, TraceRecorder, reference
 from gemma4_conformance.spec.model import forward
 from tests.mutants import BF16, MutantAdapter, _engine, _round, sliding_gqa_window_edge_off_by_one

@@ -98,8 +98,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma4_conformance.fixtures.config import TextConfig
-from gemma4_conformance.spec import fmt
+from gemma4_conformance.checkpoints.config import TextConfig
+from gemma4_conformance.spec import format_of
 
 DTYPES = ("float32", "bfloat16", "float16")
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -614,7 +614,7 @@ class Session:
     UBATCH = 512
 
     def __init__(self, adapter: LlamaCpp, model: Model, dtype: str, capacity: int, sequences: int):
-        self.dtype = fmt(dtype).dtype  # the serving contract's logits are in the dtype: llama.cpp's float32, rounded once
+        self.dtype = format_of(dtype).dtype  # the serving contract's logits are in the dtype: llama.cpp's float32, rounded once
         self.context = Context(model, adapter, _cells(capacity), sequences, min(self.UBATCH, _cells(capacity)))
         self.live: dict[int, list[int]] = {}  # suite id -> [slot, next position]
         self.free = list(range(sequences))

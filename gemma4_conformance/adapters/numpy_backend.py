@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from gemma4_conformance.spec import CONTRACT, fmt
+from gemma4_conformance.spec import CONTRACT, format_of
 
 name = "numpy"
 dtypes = ("float64", "float32", "bfloat16", "float16")
@@ -128,7 +128,7 @@ def _inv_freq(theta, denom, active, i):
 
 
 def inv_freq(theta, denom, active, i, dtype):
-    dtype = fmt(dtype).dtype
+    dtype = format_of(dtype).dtype
     return _inv_freq(_compute_dtype(dtype).type(theta), denom, active, np.asarray(i)).astype(dtype)
 
 

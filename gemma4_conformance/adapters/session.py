@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gemma4_conformance.fixtures.config import TextConfig
+from gemma4_conformance.checkpoints.config import TextConfig
 from gemma4_conformance.properties.forward import AdapterOps
-from gemma4_conformance.spec import fmt
+from gemma4_conformance.spec import format_of
 from gemma4_conformance.spec.model import forward
 
 RESIDENT_BYTES = 1 << 30  # weights up to this size are read into memory once; a larger checkpoint streams
@@ -205,7 +205,7 @@ class Session:
         self.dtype = dtype
         self.ops = SessionOps(adapter, dtype)
         self.weights = _resident(weights)
-        self.cache = self.Cache(self.config, fmt(dtype).dtype)
+        self.cache = self.Cache(self.config, format_of(dtype).dtype)
         self.slots: dict[int, int] = {}  # live sequence id -> its cache slot
 
     def positions(self, start: int, n: int) -> np.ndarray:

@@ -82,7 +82,7 @@ from pathlib import Path
 import numpy as np
 
 from gemma4_conformance.adapters import SETUP
-from gemma4_conformance.fixtures.config import TextConfig
+from gemma4_conformance.checkpoints.config import TextConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 BLOCK = 16  # tokens per KV block in the session's engine: prefixes are cached a block at a time

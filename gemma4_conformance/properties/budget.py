@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from gemma4_conformance.adapters import DTYPES
-from gemma4_conformance.spec import CONTRACT, fmt
+from gemma4_conformance.spec import CONTRACT, format_of
 
 TOLERANCES_PATH = Path(__file__).with_name("tolerances.yaml")
 
@@ -93,7 +93,7 @@ class Budget:
 
 
 def accumulation_ratio(dtype: str) -> float:
-    return fmt(ACCUMULATION[dtype]).eps / fmt(dtype).eps
+    return format_of(ACCUMULATION[dtype]).eps / format_of(dtype).eps
 
 
 @cache

@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from gemma4_conformance.spec import fmt, scale_ulp
+from gemma4_conformance.spec import format_of, scale_ulp
 
 from .budget import ACCUMULATION, accumulation_ratio, tau
 
@@ -41,7 +41,7 @@ GELU_K = math.sqrt(2 / math.pi)
 
 def tiny(dtype) -> float:
     """The smallest normal number of the dtype."""
-    return 2.0 ** fmt(dtype).emin
+    return 2.0 ** format_of(dtype).emin
 
 
 def tiny_accumulated(dtype) -> float:
@@ -86,7 +86,7 @@ def _gelu_in_accumulation(x, dtype):
 def gelu_tanh(args, exact, dtype):
     """|y|; the steps in A bounded absolutely (``_gelu_in_accumulation``); x may flush before the product."""
     (x,) = args
-    return np.abs(exact), fmt(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(x, dtype) + product_flush(dtype, x, 1.0)
+    return np.abs(exact), format_of(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(x, dtype) + product_flush(dtype, x, 1.0)
 
 
 def softcap(args, exact, dtype):
@@ -109,7 +109,7 @@ def silu_mul(args, exact, dtype):
 def gelu_mul(args, exact, dtype):
     """|y|; gelu(gate)'s steps in A, times |up|; the product with up in D or A."""
     gate, up = _gate_up(args[0])
-    absolute = fmt(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(gate, dtype) * np.abs(up)
+    absolute = format_of(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(gate, dtype) * np.abs(up)
     return np.abs(exact), absolute + product_flush(dtype, gate, 1.0, up)
 
 
@@ -190,7 +190,7 @@ def lm_head(args, exact, dtype):
         abs(mul) * ((1 + np.abs(x)) @ (1 + np.abs(W)).T) * tiny_accumulated(dtype)
     if cap is None:
         return np.abs(mul) * dots, flush
-    u, u_acc = fmt(dtype).eps, fmt(ACCUMULATION[dtype]).eps
+    u, u_acc = format_of(dtype).eps, format_of(ACCUMULATION[dtype]).eps
     uncertainty = (K * u_acc + 2 * u + K * 2.0**-52) * dots
     nearest = np.maximum(np.abs(x @ W.T) - uncertainty, 0.0)
     slope = 1 / np.cosh(np.minimum(abs(mul) * nearest / cap, 350)) ** 2
@@ -204,9 +204,9 @@ def lm_head_logit_overflows(args, exact, dtype):
     L's error in A (gamma_K) and of the float64 product here count towards reaching the overflow."""
     mul, cap, W, x = args
     K = x.shape[-1]
-    f = fmt(dtype)
+    f = format_of(dtype)
     dots = np.abs(x) @ np.abs(W).T
-    uncertainty = (K * fmt(ACCUMULATION[dtype]).eps + K * 2.0**-52) * dots
+    uncertainty = (K * format_of(ACCUMULATION[dtype]).eps + K * 2.0**-52) * dots
     # the least magnitude that rounds to inf (Python floats: float64's is past its own range, inf)
     overflow = f.max_finite + float(scale_ulp(f.max_finite, dtype)) / 2
     return np.abs(x @ W.T) + uncertainty >= overflow
@@ -226,7 +226,7 @@ def rope(args, exact, dtype):
     D = x.shape[-1]
     scale = np.abs(x).copy()
     angle_error = np.zeros_like(scale)
-    u_acc = fmt(ACCUMULATION[dtype]).eps
+    u_acc = format_of(ACCUMULATION[dtype]).eps
     for i in range(min(half, D)):
         j = i + half
         w = theta ** (-(2 * i / denom)) if i < active else 0.0
@@ -247,7 +247,7 @@ def inv_freq(args, exact, dtype):
     w = np.abs(exact)
     with np.errstate(divide="ignore"):
         log_w = np.where(w > 0, np.abs(np.log(np.where(w > 0, w, 1.0))), 0.0)
-    return w, fmt(ACCUMULATION[dtype]).eps * w * (2 + log_w) + tiny(dtype)
+    return w, format_of(ACCUMULATION[dtype]).eps * w * (2 + log_w) + tiny(dtype)
 
 
 def _masked_softmax(logits, visible):
@@ -289,7 +289,7 @@ def _attention(scale, visible, q, k, v, dtype):
     weight = np.where(mask, 1 + np.abs(z) + magnitudes, 0.0)
     pv = np.einsum("scgl,lcd->scgd", p, np.abs(v), optimize=True)
     pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v), optimize=True)
-    d_max = fmt(dtype).eps * (3 + accumulation_ratio(dtype) * (tau(dtype) + q.shape[-1])) * np.max(weight, axis=-1)
+    d_max = format_of(dtype).eps * (3 + accumulation_ratio(dtype) * (tau(dtype) + q.shape[-1])) * np.max(weight, axis=-1)
     growth = np.exp(np.minimum(2 * d_max, 700))[..., None]
     flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + np.abs(v), optimize=True)[:, :, None, :]
     first_order = pwv + pv * np.sum(p * weight, axis=-1)[..., None]
@@ -325,7 +325,7 @@ def _attention_in_accumulation(scale, visible, q, k, v, dtype):
     L = k.shape[0]
     in_accumulation = pwv + pv * (np.sum(p * weight, axis=-1)[..., None] + L + 2)
     flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + np.abs(v), optimize=True)[:, :, None, :]
-    return pv, fmt(ACCUMULATION[dtype]).eps * in_accumulation + flush
+    return pv, format_of(ACCUMULATION[dtype]).eps * in_accumulation + flush
 
 
 def attention_inputs(op, args):

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.spec import fmt
+from gemma4_conformance.spec import format_of
 from gemma4_conformance.spec.model import decoder_layer, forward, head, nodes
 
-from .harness import ContractViolation, assess, call
+from .judging import ContractViolation, assess, call
 from .table import ORACLE_WORK
 
 # How much worse than a plain same-dtype implementation a candidate's own error may be.  A layer's own
@@ -83,7 +83,7 @@ class AdapterOps:
         return out
 
     def weight(self, array):
-        return np.asarray(array).astype(fmt(self.dtype).dtype)
+        return np.asarray(array).astype(format_of(self.dtype).dtype)
 
 
 @dataclass
@@ -184,7 +184,7 @@ def wide_enough(array: np.ndarray, dtype: str) -> bool:
 def _array(value, what: str, where: str) -> np.ndarray:
     if not isinstance(value, np.ndarray):
         raise ContractViolation(f"{where}: {what} is {type(value).__name__}, expected a numpy array")
-    if value.dtype.kind != "f" and value.dtype != fmt("bfloat16").dtype:
+    if value.dtype.kind != "f" and value.dtype != format_of("bfloat16").dtype:
         raise ContractViolation(f"{where}: {what} has dtype {value.dtype}, expected a floating dtype")
     return value
 
@@ -297,7 +297,7 @@ def local_errors(candidate: dict, config, weights, tokens, dtype: str) -> dict |
         r = decoder_layer(exact, config, weights, layer, np.asarray(x, dtype=np.float64), positions)
         b = decoder_layer(plain, config, weights, layer, x, positions)
         layers.append((relative_error(out, r), relative_error(b, r)))
-        x = np.asarray(out).astype(fmt(dtype).dtype)
+        x = np.asarray(out).astype(format_of(dtype).dtype)
     r = head(exact, config, weights, np.asarray(x, dtype=np.float64))
     b = head(plain, config, weights, x)
     ref_lp = log_softmax(r)
@@ -358,7 +358,7 @@ def judge_forward(candidate: dict, baseline: dict, ref: dict, dtype: str, local:
     """The verdict of the module docstring; ``local`` is ``local_errors``' result (None: logits only).
     ``accumulated`` is the allowance over the baseline's accumulated error: ACCUMULATED for one run of
     an engine, more for a candidate that holds the errors of several (the serving path's relation)."""
-    floor = FLOOR * fmt(dtype).eps
+    floor = FLOOR * format_of(dtype).eps
     failures = []
     layers = []
     if candidate.get("hidden_states") is not None:

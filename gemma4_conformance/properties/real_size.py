@@ -3,7 +3,7 @@
 Drawn examples stay small so that Hypothesis can draw and shrink many of them, but kernels choose
 their algorithm by size: split-K and blocked reductions at K = 3840 and 15360, tiled and online-
 softmax attention over 4096 keys, a vocabulary processed in chunks.  So every accumulating op also
-meets Gemma 4 12B's own geometry (read from its config, fixtures/gemma-4-12B/config.json) once per
+meets Gemma 4 12B's own geometry (read from its config, checkpoints/gemma-4-12B/config.json) once per
 backend and dtype, with the oracle checking every output element:
 
 * linear: a sliding layer's query projection (K = 3840, N = 4096) and 1024 rows of the down
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from functools import cache
 
-from gemma4_conformance.fixtures.config import TextConfig
-from gemma4_conformance.fixtures.generate import real_config
+from gemma4_conformance.checkpoints.config import TextConfig
+from gemma4_conformance.checkpoints.generate import real_config
 from gemma4_conformance.spec import CONTRACT
 
 from .strategies import LONG_SUM
@@ -44,7 +44,7 @@ NORMS = ("rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l
 
 @cache
 def geometry() -> TextConfig:
-    return TextConfig.from_dict(real_config(), source="fixtures/gemma-4-12B/config.json")
+    return TextConfig.from_dict(real_config(), source="checkpoints/gemma-4-12B/config.json")
 
 
 def _normal(shape, seed, log2=0):

@@ -54,7 +54,7 @@ class OpRecord:
         self.by_oracle += by_oracle
 
     def timed(self, seconds: dict[str, float]) -> None:
-        """Add one example's wall seconds (backend, transfer, oracle: harness.Verdict.seconds)."""
+        """Add one example's wall seconds (backend, transfer, oracle: judging.Verdict.seconds)."""
         for part, value in seconds.items():
             self.seconds[part] += value
 

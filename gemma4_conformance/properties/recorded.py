@@ -29,11 +29,11 @@ import numpy as np
 
 from gemma4_conformance import tracefile
 from gemma4_conformance.adapters import DTYPES
-from gemma4_conformance.spec import fmt
+from gemma4_conformance.spec import format_of
 from gemma4_conformance.spec.model import nodes
 
 from .forward import wide_enough
-from .harness import ContractViolation
+from .judging import ContractViolation
 from .trace import NODE_WORK, TraceVerdict, completed, judge_trace, replay
 
 
@@ -66,7 +66,7 @@ class Recorded:
 
 
 def load(path, weights) -> Recorded:
-    """The trace file at ``path`` checked against ``weights`` (a fixtures.checkpoint.Checkpoint) and its
+    """The trace file at ``path`` checked against ``weights`` (a checkpoints.checkpoint.Checkpoint) and its
     config (module docstring)."""
     where = str(path)
     try:
@@ -142,7 +142,7 @@ class _Shapes:
     replaying an empty trace on them gives every node's size without reading a weight."""
 
     def __init__(self, weights, dtype: str):
-        self.weights, self.zero = weights, np.zeros((), fmt(dtype).dtype)
+        self.weights, self.zero = weights, np.zeros((), format_of(dtype).dtype)
 
     def __getitem__(self, name):
         return np.broadcast_to(self.zero, self.weights.info(name).shape)

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from gemma4_conformance.spec import CONTRACT, fmt, scale_ulp
+from gemma4_conformance.spec import CONTRACT, format_of, scale_ulp
 from gemma4_conformance.spec.exact import widen
 
 from .budget import ACCUMULATION, budget
-from .harness import call
+from .judging import call
 from .strategies import build, cases
 from .table import OPS
 
@@ -67,7 +67,7 @@ def rope_at_zero_is_identity(adapter, case, dtype):
     pos = np.zeros_like(args[4])
     x = args[5]
     out = call(adapter, "rope", (*args[:4], pos, x), dtype)
-    subnormal = np.abs(x.astype(np.float64)) < 2.0 ** fmt(dtype).emin  # may be flushed to zero
+    subnormal = np.abs(x.astype(np.float64)) < 2.0 ** format_of(dtype).emin  # may be flushed to zero
     return compare("rope at position 0 vs x", out, x, np.where(subnormal, np.abs(x.astype(np.float64)), 0.0))
 
 
@@ -129,7 +129,7 @@ def rmsnorm_is_scale_invariant(adapter, case, dtype):
     alpha = 2.0 ** case["log2_alpha"]
     with np.errstate(over="ignore"):  # alpha x past the dtype's range is a premise failing, checked below
         scaled_x = (x.astype(np.float64) * alpha).astype(x.dtype)
-    accumulator = fmt(ACCUMULATION[dtype])
+    accumulator = format_of(ACCUMULATION[dtype])
     wide = np.abs(x.astype(np.float64)) * max(alpha, 1.0)
     if (not np.array_equal(scaled_x.astype(np.float64), x.astype(np.float64) * alpha)
             or np.sum(wide * wide, axis=-1).max(initial=0.0) > accumulator.max_finite / 4
@@ -163,7 +163,7 @@ def rmsnorm_unit_is_rmsnorm_of_ones(adapter, case, dtype):
 
 def fixed_points(adapter, case, dtype):
     """sigmoid(0) = 1/2 and gelu_tanh(0) = 0, exactly: both are exact in every format."""
-    zero = np.zeros(3, dtype=fmt(dtype).dtype)
+    zero = np.zeros(3, dtype=format_of(dtype).dtype)
     return (compare("sigmoid(0)", call(adapter, "sigmoid", (zero,), dtype), 0.5, 0.0)
             + compare("gelu_tanh(0)", call(adapter, "gelu_tanh", (zero,), dtype), 0.0, 0.0))
 
@@ -179,7 +179,7 @@ def softcap_is_bounded_and_saturates(adapter, case, dtype):
     c, x = build("softcap", case, dtype)
     out = _f64(call(adapter, "softcap", (c, x), dtype))
     failures = compare("|softcap(c, x)| <= c", np.minimum(np.abs(out), c), np.abs(out), 0.0)
-    big = np.array([40 * c, -40 * c, fmt(dtype).max_finite / 2], dtype=fmt(dtype).dtype)
+    big = np.array([40 * c, -40 * c, format_of(dtype).max_finite / 2], dtype=format_of(dtype).dtype)
     saturated = call(adapter, "softcap", (c, big), dtype)
     return failures + compare("softcap(c, +-40c) saturates at +-c", saturated, np.sign(_f64(big)) * c,
                               allowance("softcap", dtype, (c, big), np.sign(_f64(big)) * c))
@@ -207,7 +207,7 @@ def lm_head_without_cap_is_scaled_linear(adapter, case, dtype):
     a = call(adapter, "lm_head", args, dtype)
     b = mul * _f64(call(adapter, "linear", (W, x), dtype))
     tolerance = 2 * allowance("lm_head", dtype, args, np.where(np.isfinite(b), b, 0))
-    inside = np.abs(b) + tolerance <= fmt(dtype).max_finite
+    inside = np.abs(b) + tolerance <= format_of(dtype).max_finite
     return compare("lm_head(mul, none) vs mul * linear", np.where(inside, a, 0), np.where(inside, b, 0),
                    np.where(inside, tolerance, 0))
 

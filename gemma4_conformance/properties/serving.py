@@ -17,10 +17,10 @@ import numpy as np
 from hypothesis import strategies as st
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.spec import fmt
+from gemma4_conformance.spec import format_of
 
 from .forward import ACCUMULATED, FLOOR, composed, drawn_tokens, judge_forward, reference, relative_error, wide_enough
-from .harness import ContractViolation
+from .judging import ContractViolation
 
 SERVING_DTYPES = ("float32", "bfloat16")
 # A session returns logits only, so a sequence's rows are judged as the forward judges an engine's
@@ -328,7 +328,7 @@ class ScheduleVerdict:
 
 
 def worst_row(rows, baseline, ref, dtype: str, k: int, decoded) -> Position:
-    floor = FLOOR * fmt(dtype).eps
+    floor = FLOOR * format_of(dtype).eps
     best = None
     for p in range(len(rows)):
         ec, eb = relative_error(rows[p], ref[p]), relative_error(baseline[p], ref[p])

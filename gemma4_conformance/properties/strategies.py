@@ -17,7 +17,7 @@ import math
 import numpy as np
 from hypothesis import strategies as st
 
-from gemma4_conformance.spec import CONTRACT, fmt
+from gemma4_conformance.spec import CONTRACT, format_of
 
 MAX_POSITION = 262144
 
@@ -59,7 +59,7 @@ def _specials(f):
 def realize(desc, dtype) -> np.ndarray:
     """The array a description stands for, rounded to ``dtype``: drawn from a distribution, or given
     as ``{"values": nested list}`` (hand-built edge cases)."""
-    f = fmt(dtype)
+    f = format_of(dtype)
     if "values" in desc:
         return np.asarray(desc["values"], dtype=np.float64).astype(f.dtype)
     rng = np.random.default_rng(desc["seed"])
@@ -257,7 +257,7 @@ def _attention(draw, dtype, op):
         q_shape = [S, Hkv, G, D]
         if op == "sliding_gqa":
             args["window"] = draw(st.integers(1, L + 3))
-    f = fmt(dtype)
+    f = format_of(dtype)
     smooth = ("normal", "uniform", "positive", "integers")
     if gemma:
         qk = draw(st.sampled_from([-2, -1.5, -1]))
@@ -385,7 +385,7 @@ def edge_cases(op: str) -> list[dict]:
 def build(op: str, case: dict, dtype: str) -> tuple:
     """The op's arguments in Lean order, floating arrays in ``dtype``, from a case."""
     spec = CONTRACT[op]
-    f = fmt(dtype)
+    f = format_of(dtype)
     values = {}
     for a in spec.args:
         v = case["args"][a.name]

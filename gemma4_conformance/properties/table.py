@@ -24,7 +24,7 @@ import numpy as np
 from gemma4_conformance import spec
 from gemma4_conformance.spec import enclosures
 
-from . import budget, error_models, plain
+from . import baselines, budget, error_models
 
 # The oracle work one example may cost, in element operations: the largest real-size example (a
 # 15360 x 3840 weight, or 4096 keys at 16 query heads) whole, about two seconds.
@@ -198,7 +198,7 @@ class OpEntry:
     sample: Callable  # (op, args, rng, work) -> (sub-args, index into the backend's output)
     quantities: Callable = lambda args: {}  # budget names beyond the contract's dimensions
     tier2: Callable | None = None  # the second tier's error model, where tolerances.yaml gives one
-    plain: Callable | None = None  # (op, args, dtype) -> the plain same-dtype arrangements' outputs
+    baselines: Callable | None = None  # (op, args, dtype) -> the plain same-dtype arrangements' outputs
     # (args as float64, exact as float64, dtype) -> where the modelled arrangement's intermediate may
     # overflow although the exact result is finite: an inf of the exact result's sign is accepted there
     overflows: Callable | None = None
@@ -214,7 +214,7 @@ def _entry(name, scale, sample, quantities=None, tier2=None, overflows=None):
     restrict = {matrix: restrict_matrix, attention: restrict_attention, decode: restrict_decode,
                 embed: restrict_embed, whole: None}.get(sample, restrict_rows)
     return OpEntry(name, getattr(spec, name), scale, sample, quantities or (lambda args: {}), tier2,
-                   plain.arrangements if tier2 is not None else None, overflows,
+                   baselines.arrangements if tier2 is not None else None, overflows,
                    enclosures.ENCLOSURES.get(name), restrict)
 
 

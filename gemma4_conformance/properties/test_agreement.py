@@ -6,7 +6,7 @@ import pytest
 from hypothesis import currently_in_test_context, given, target
 from hypothesis import strategies as st
 
-from .harness import ContractViolation, Unsupported, judge, rerun_command
+from .judging import ContractViolation, Unsupported, judge, rerun_command
 from .real_size import real_size_cases
 from .record import MIN_INFORMATIVE, UnsupportedSkip
 from .strategies import cases, edge_cases

@@ -1,7 +1,7 @@
 """The full 48-layer forward: every backend and dtype against the certified reference and the plain baseline,
 and, where the backend's run gives a trace, every node of it on its own (properties/trace.py).
 
-By default on a checkpoint the suite generates in the real layout (fixtures.generate.small_config:
+By default on a checkpoint the suite generates in the real layout (checkpoints.generate.small_config:
 every feature of the 12B model at a size CI affords); with ``--weights PATH`` on a real checkpoint.
 """
 
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.spec.model import OPS_USED
 
 from .forward import check_finite, composed, drawn_tokens, judge_forward, local_errors, reference, run_seed
-from .harness import ContractViolation, rerun_command
+from .judging import ContractViolation, rerun_command
 from .recorded import record
 from .record import UnsupportedSkip
 from .trace import completed, judge_trace

@@ -16,7 +16,7 @@ from hypothesis import currently_in_test_context, given, settings, target
 from gemma4_conformance.adapters import DTYPES
 from gemma4_conformance.spec.model import OPS_USED
 
-from .harness import ContractViolation, rerun_command
+from .judging import ContractViolation, rerun_command
 from .invariance import RELATIONS, InvarianceRecord, Plays, check, claims, fixed, op_invariance
 from .record import UnsupportedSkip
 from .serving import EXAMPLES_SHARE, SERVING_DTYPES, case_json, normalize, schedules, validate

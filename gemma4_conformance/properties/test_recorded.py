@@ -12,11 +12,11 @@ import shlex
 import pytest
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.fixtures import checkpoint
+from gemma4_conformance.checkpoints import checkpoint
 
 from . import recorded as recording
 from .forward import composed, judge_forward, local_errors, reference
-from .harness import ContractViolation
+from .judging import ContractViolation
 
 
 @pytest.fixture(scope="session")

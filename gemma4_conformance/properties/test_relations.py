@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from .harness import rerun_command
+from .judging import rerun_command
 from .record import UnsupportedSkip
 from .relations import RELATIONS
 

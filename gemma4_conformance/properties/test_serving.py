@@ -1,7 +1,7 @@
 """The serving path: schedules of KV-cache decoding, chunked prefill and continuous batching, every
 returned logit row against the reference (serving.py).
 
-Always on the generated CI checkpoint (fixtures.generate.small_config, sliding window 8), where a
+Always on the generated CI checkpoint (checkpoints.generate.small_config, sliding window 8), where a
 schedule wraps every ring several times in a few dozen tokens; the real window (1024) is run by the
 slow test below (``pytest -m slow``), on --weights when given.
 """
@@ -16,11 +16,11 @@ import pytest
 from hypothesis import currently_in_test_context, given, settings, target
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.fixtures import checkpoint, generate
+from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.spec.model import forward
 
 from .forward import LONG_CONTEXT_OPS, AdapterOps, Certificate, drawn_tokens, judge_forward, run_seed
-from .harness import ContractViolation, rerun_command
+from .judging import ContractViolation, rerun_command
 from .record import UnsupportedSkip
 from .serving import (
     EXAMPLES_SHARE,

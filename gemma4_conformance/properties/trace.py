@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gemma4_conformance.spec import CONTRACT, fmt
+from gemma4_conformance.spec import CONTRACT, format_of
 from gemma4_conformance.spec.model import forward, nodes
 
-from .harness import ContractViolation, assess
+from .judging import ContractViolation, assess
 
 NODE_WORK = 1_000  # oracle multiply-adds per judged node (see "Cost" above)
 
@@ -62,7 +62,7 @@ class Replay:
     def weight(self, array):
         # copy=False: a weight stored in the dtype under test stays a view of the checkpoint's memory map,
         # read only where a judged node uses it (a one-layer trace of the 12B model reads one layer).
-        return np.asarray(array).astype(fmt(self.dtype).dtype, copy=False)
+        return np.asarray(array).astype(format_of(self.dtype).dtype, copy=False)
 
     def op(self, node, name, *args):
         shape = CONTRACT[name].output_shape(*args)
@@ -70,7 +70,7 @@ class Replay:
         if node in self.trace:
             out = self._traced(node, shape)
         else:
-            out = _stand_in(shape, fmt(self.dtype).dtype, node)
+            out = _stand_in(shape, format_of(self.dtype).dtype, node)
         # Only a call that will be judged keeps its arguments: the others' weights are not held for the replay.
         kept = args if node in self.trace and not untraced else ()
         self.calls.append(Call(node, name, kept, out, node in self.trace, untraced))

@@ -24,7 +24,7 @@ from gemma4_conformance.properties.budget import budget
 from gemma4_conformance.properties.forward import ACCUMULATED, FACTOR, FLOOR
 from gemma4_conformance.properties.serving import FACTOR as SERVING_FACTOR
 from gemma4_conformance.properties.record import reported
-from gemma4_conformance.spec import CONTRACT, fmt
+from gemma4_conformance.spec import CONTRACT, format_of
 
 SCHEMA = "gemma4-conformance-report"
 VERSION = 5
@@ -192,7 +192,7 @@ def forward_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dic
         "local": _local(verdict),
         "factor": encode(FACTOR),
         "accumulated_factor": encode(ACCUMULATED if getattr(verdict, "local_layers", None) else FACTOR),
-        "floor": encode(FLOOR * fmt(dtype).eps),
+        "floor": encode(FLOOR * format_of(dtype).eps),
         "failures": failures,
         "rerun": verdict.rerun,
         "deviation": deviation,
@@ -249,7 +249,7 @@ def serving_entry(record, deviation: str = "") -> dict:
         "tokens": record.tokens,
         "worst": worst,
         "factor": encode(SERVING_FACTOR),
-        "floor": encode(FLOOR * fmt(record.dtype).eps),
+        "floor": encode(FLOOR * format_of(record.dtype).eps),
         "failing": record.failing,
         "failing_features": dict(record.failing_features),
         "case": _jsonable(record.case) if record.case is not None else None,

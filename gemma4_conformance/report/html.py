@@ -50,7 +50,7 @@ _RC = {
 
 # ----------------------------------------------------------------------------------------- formatting
 
-def fmt(value) -> str:
+def shown(value) -> str:
     """A number for a reader: 3 significant digits, "∞", "—" for not measured."""
     x = number(value)
     if x is None:
@@ -167,7 +167,7 @@ def histogram_chart(results: list[dict], prefix: str) -> Markup | None:
             counts, edges = np.histogram(values, bins=24, range=(0, top))
             ax.stairs(counts, edges, fill=True, color=COLOURS[status(r)], alpha=0.85)
             ax.axvline(1.0, color="#495057", lw=0.8, ls="--")
-            ax.set_title(f"{r['op']}  ({fmt(r['worst_ulps'])} / {fmt(r['budget_ulps'])})", loc="left",
+            ax.set_title(f"{r['op']}  ({shown(r['worst_ulps'])} / {shown(r['budget_ulps'])})", loc="left",
                          parse_math=False)  # a name from a document is plain text, never mathtext
             ax.set_yticks([])
             ax.set_xlim(0, top)
@@ -192,7 +192,7 @@ def own_errors(local: dict | None) -> str:
     layers = local["layers"]
     worst = max(ratio(c, b) for c, b in zip(layers["candidate"], layers["baseline"]))
     head = ratio(local["logits"]["candidate"], local["logits"]["baseline"])
-    return f"{fmt(worst)} ×, {fmt(head)} ×"
+    return f"{shown(worst)} ×, {shown(head)} ×"
 
 
 def forward_chart(entry: dict, prefix: str) -> Markup | None:
@@ -211,7 +211,7 @@ def forward_chart(entry: dict, prefix: str) -> Markup | None:
         ax = fig.subplots()
         if factor is not None:
             allowed = [max(factor * b, floor or 0) if not math.isnan(b) else math.nan for b in baseline]
-            ax.plot(layers, allowed, color="#adb5bd", lw=0.8, ls=":", label=f"allowed ({fmt(factor)}x baseline)")
+            ax.plot(layers, allowed, color="#adb5bd", lw=0.8, ls=":", label=f"allowed ({shown(factor)}x baseline)")
         ax.plot(layers, baseline, color="#495057", lw=1.0, ls="--", label="baseline (plain, same dtype)")
         ax.plot(layers, candidate, color=COLOURS[status(entry)], lw=1.3,
                 label="candidate")
@@ -329,9 +329,9 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                 anchor = f"fail-{len(failures) + 1}"
                 anchors[i, backend, dtype, r["op"]] = anchor
                 failures.append({"anchor": anchor, "column": column_labels[c], "dtype": dtype, "op": r["op"],
-                                 "outcome": r["outcome"], "worst": fmt(r["worst_ulps"]),
-                                 "budget": fmt(r["budget_ulps"]),
-                                 "over": fmt(over(r)) if over(r) is not None else None,
+                                 "outcome": r["outcome"], "worst": shown(r["worst_ulps"]),
+                                 "budget": shown(r["budget_ulps"]),
+                                 "over": shown(over(r)) if over(r) is not None else None,
                                  "examples": examples(r["examples"]), "formula": r["budget_formula"],
                                  "message": r["message"], "rerun": command(r["rerun"]),
                                  "setting": setting(documents[i]["environment"], backend)})
@@ -388,7 +388,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     excused = [{"column": label(i, e["backend"]), "dtype": e["dtype"],
                 "subject": e.get("op") or e.get("relation") or ("serving path" if "schedules" in e else "full forward"),
                 "reason": e["deviation"],
-                "detail": (f"{fmt(e['worst_ulps'])} ULPs against {fmt(e['budget_ulps'])}" if "worst_ulps" in e
+                "detail": (f"{shown(e['worst_ulps'])} ULPs against {shown(e['budget_ulps'])}" if "worst_ulps" in e
                            else e.get("message") or "; ".join(e.get("failures", [])))}
                for i, d in enumerate(documents) for e in d["results"] + d["relations"] + d["forward"] + d["serving"]
                if e["outcome"] == "known deviation"]
@@ -438,15 +438,15 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         if r["worst_ulps"] is None:
             text = r["outcome"]
         else:
-            text = f"{fmt(r['worst_ulps'])} / {fmt(r['budget_ulps'])}"
-        sub = "" if r["headroom"] is None else f"{fmt(r['headroom'])}x"
+            text = f"{shown(r['worst_ulps'])} / {shown(r['budget_ulps'])}"
+        sub = "" if r["headroom"] is None else f"{shown(r['headroom'])}x"
         if r["examples"]:
             sub += f" · {r['informative']}/{r['examples']} inf."
         title = (f"{backend} {dtype} {op}: {r['outcome']}, {examples(r['examples'])} of which {r['informative']} "
                  f"informative (their allowance excluded zeros, the sign flipped and the like); worst example "
-                 f"{fmt(r['worst_ulps'])} ULPs against a budget of {fmt(r['budget_ulps'])} "
-                 f"({r['budget_formula']}), headroom {fmt(r['headroom'])}; all examples: max "
-                 f"{fmt(r['max_ulps'])}, p99 {fmt(r['p99_ulps'])}, median {fmt(r['median_ulps'])} ULPs")
+                 f"{shown(r['worst_ulps'])} ULPs against a budget of {shown(r['budget_ulps'])} "
+                 f"({r['budget_formula']}), headroom {shown(r['headroom'])}; all examples: max "
+                 f"{shown(r['max_ulps'])}, p99 {shown(r['p99_ulps'])}, median {shown(r['median_ulps'])} ULPs")
         return {"cls": cls, "text": text, "sub": sub, "title": title,
                 "href": "#" + anchors[i, backend, dtype, op] if (i, backend, dtype, op) in anchors else None}
 
@@ -462,9 +462,9 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         c, base = number(f["logits"]["candidate"]), number(f["logits"]["baseline"])
         ratio = c / base if c is not None and base else None
         return {"cls": status(f), "text": f["outcome"],
-                "sub": f"logits {fmt(ratio)}x baseline" if ratio is not None else "",
-                "title": f"{b} {dtype} forward: logits relative error {fmt(c)} (baseline {fmt(base)}), top-1 agreement "
-                         f"{fmt(f['top1_agreement'])}", "href": "#forward"}
+                "sub": f"logits {shown(ratio)}x baseline" if ratio is not None else "",
+                "title": f"{b} {dtype} forward: logits relative error {shown(c)} (baseline {shown(base)}), top-1 agreement "
+                         f"{shown(f['top1_agreement'])}", "href": "#forward"}
 
     def trace_cell(t, b, dtype):
         first = t["first_departure"]
@@ -474,7 +474,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     def serving_cell(e, b, dtype):
         w = e["worst"]
         return {"cls": status(e), "text": e["outcome"],
-                "sub": f"worst row {fmt(w['ratio'])} of allowed" if w else "",
+                "sub": f"worst row {shown(w['ratio'])} of allowed" if w else "",
                 "title": f"{b} {dtype} serving path: {e['outcome']}; {e['tokens']} tokens of {e['sequences']} "
                          f"sequences in {e['schedules']} schedules", "href": "#serving"}
 
@@ -489,8 +489,8 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                        if (r := cells.get((i, b, dtype, op))) is not None and status(r) in PASSED
                        and number(r["headroom"]) is not None]
             tightest = min(passing, default=None)
-            row.append({"text": fmt(tightest[0]) + "x" if tightest else "",
-                        "title": f"{op} {dtype}: the budget is {fmt(tightest[0])} times the worst error of "
+            row.append({"text": shown(tightest[0]) + "x" if tightest else "",
+                        "title": f"{op} {dtype}: the budget is {shown(tightest[0])} times the worst error of "
                                  f"{tightest[1]}, the tightest of {len(passing)} passing backend(s)" if tightest else "",
                         "cls": "warn" if tightest and tightest[0] > SLACK_NOTE else ""})
         slack.append({"op": op, "cells": row})
@@ -504,7 +504,7 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
                          "tokens": e["tokens"],
                          "worst": None if w is None else {
                              "position": w["position"], "kind": "decode" if w["decode"] else "prefill chunk",
-                             "error": fmt(w["error"]), "baseline": fmt(w["baseline"]), "ratio": fmt(w["ratio"])},
+                             "error": shown(w["error"]), "baseline": shown(w["baseline"]), "ratio": shown(w["ratio"])},
                          "failing": e["failing"],
                          "failing_features": ", ".join(f"{name} ({n})" for name, n in e["failing_features"].items()
                                                        if n) or ("none" if e["failing"] else "")})
@@ -518,8 +518,8 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         passing.sort(key=lambda r: number(r["headroom"]))
         for r in passing[:CLOSEST_PER_COLUMN]:
             closest.append({"column": column_labels[c], "dtype": r["dtype"], "op": r["op"], "cls": status(r),
-                            "worst": fmt(r["worst_ulps"]), "budget": fmt(r["budget_ulps"]),
-                            "headroom": fmt(r["headroom"]), "max": fmt(r["max_ulps"]), "examples": r["examples"],
+                            "worst": shown(r["worst_ulps"]), "budget": shown(r["budget_ulps"]),
+                            "headroom": shown(r["headroom"]), "max": shown(r["max_ulps"]), "examples": r["examples"],
                             "rerun": command(r["rerun"])})
 
     # Charts.
@@ -535,10 +535,10 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
     for (i, b, dtype), f in sorted(forward.items(), key=lambda kv: (kv[0][0], kv[0][1], dtype_rank(kv[0][2]))):
         forwards.append({"column": label(i, b), "dtype": dtype, "outcome": f["outcome"],
                          "svg": forward_chart(f, f"f{next(charts)}-"), "layers": len(f["layers"]["candidate"]),
-                         "logits": (fmt(f["logits"]["candidate"]), fmt(f["logits"]["baseline"])),
-                         "gap": (fmt(f["logprob_gap"]["candidate"]), fmt(f["logprob_gap"]["baseline"])),
+                         "logits": (shown(f["logits"]["candidate"]), shown(f["logits"]["baseline"])),
+                         "gap": (shown(f["logprob_gap"]["candidate"]), shown(f["logprob_gap"]["baseline"])),
                          "own": own_errors(f.get("local")),
-                         "top1": fmt(100 * number(f["top1_agreement"])) + "%"
+                         "top1": shown(100 * number(f["top1_agreement"])) + "%"
                          if number(f["top1_agreement"]) is not None else "—",
                          "failures": f["failures"]})
 
@@ -578,11 +578,11 @@ def context(documents: list[dict], labels=None, title: str | None = None) -> dic
         "serving_failures": serving_failures,
         "closest": closest,
         "slack": slack if any(c["text"] for row in slack for c in row["cells"]) else None,
-        "slack_note": fmt(SLACK_NOTE),
+        "slack_note": shown(SLACK_NOTE),
         "histograms": histograms,
         "forwards": forwards,
         "n_results": n_results,
-        "warn_headroom": fmt(WARN_HEADROOM),
+        "warn_headroom": shown(WARN_HEADROOM),
         "colours": COLOURS,
         **invariance_context(documents, label, command),
     }
@@ -603,8 +603,8 @@ def _invariance_cell(entry: dict | None) -> dict:
     w = entry["worst"]
     if w is not None:
         title += f"; worst: sequence {w['sequence']} ({w['against']}) from position {w['position']}, " \
-                 f"{w['rows']} rows, up to {fmt(w['ulps'])} ULPs"
-    text = entry["outcome"] + (f" · {fmt(w['ulps'])} ULPs" if w is not None else "")
+                 f"{w['rows']} rows, up to {shown(w['ulps'])} ULPs"
+    text = entry["outcome"] + (f" · {shown(w['ulps'])} ULPs" if w is not None else "")
     return {"cls": INVARIANCE_CLASSES[entry["outcome"]], "text": text, "title": title, "claimed": entry["claimed"]}
 
 
@@ -624,7 +624,7 @@ def invariance_context(documents: list[dict], label, command) -> dict:
         i, backend, dtype = key
         entries = relations.get(key, {})
         checked = ops.get(key, [])
-        varying = [f"{e['op']} ({fmt(e['ulps'])} ULPs; first at {e['where']})" for e in checked if e["differing"]]
+        varying = [f"{e['op']} ({shown(e['ulps'])} ULPs; first at {e['where']})" for e in checked if e["differing"]]
         rows.append({"column": label(i, backend), "dtype": dtype,
                      "cells": [_invariance_cell(entries.get(r)) for r in INVARIANCE],
                      "ops": "; ".join(varying) or ("none" if checked else "—"), "checked": len(checked)})
@@ -650,12 +650,12 @@ def _node_cell(node: dict | None) -> dict:
         cls = "warn"
     title = f"{node['node']} ({node['op']}): {node['outcome']}"
     if ratio is not None:
-        title += f", {fmt(error)} ULPs against a budget of {fmt(budget)}"
+        title += f", {shown(error)} ULPs against a budget of {shown(budget)}"
     if node["outcome"] == "passed" and not node["informative"]:
         title += " (not informative: its budget admits a trivially wrong answer here)"
     if node["message"]:
         title += f"; {node['message']}"
-    text = fmt(ratio) if ratio is not None else {"not traced": "—", "inputs not traced": "·"}.get(node["outcome"], "")
+    text = shown(ratio) if ratio is not None else {"not traced": "—", "inputs not traced": "·"}.get(node["outcome"], "")
     return {"cls": cls, "text": text, "title": title}
 
 
@@ -676,7 +676,7 @@ def trace_view(column: str, dtype: str, entry: dict, command) -> dict:
         rows.append({"where": where, "cells": cells, "counts": row})
     first = entry["first_departure"]
     return {"column": column, "dtype": dtype, "outcome": entry["outcome"], "summary": entry["summary"],
-            "first": first and {**first, "error": fmt(first["error"]), "budget": fmt(first["budget"])},
+            "first": first and {**first, "error": shown(first["error"]), "budget": shown(first["budget"])},
             "rerun": command(entry["rerun"]), "rows": rows, "work": entry["work"],
             "open": entry["outcome"] == "failed"}
 

@@ -8,7 +8,7 @@ from .basic import gelu_tanh, sigmoid, silu, softcap
 from .contract import CONTRACT, OP_NAMES
 from . import enclosures
 from .exact import DEFAULT_PRECISION, exact, get_precision, precision
-from .formats import FORMATS, fmt, round_to, scale_ulp, ulp, ulp_distance
+from .formats import FORMATS, format_of, round_to, scale_ulp, ulp, ulp_distance
 from .linear import embed, gate_up, gelu_mul, linear, lm_head, residual, silu_mul
 from .norm import l2norm, rms, rmsnorm, rmsnorm_gated, rmsnorm_offset, rmsnorm_unit
 from .rope import inv_freq, rope, rope_std
@@ -16,4 +16,4 @@ from .rope import inv_freq, rope, rope_std
 ORACLES = {name: globals()[name] for name in OP_NAMES}
 
 __all__ = [*OP_NAMES, "ORACLES", "CONTRACT", "OP_NAMES", "DEFAULT_PRECISION", "exact", "get_precision",
-           "precision", "FORMATS", "fmt", "round_to", "scale_ulp", "ulp", "ulp_distance"]
+           "precision", "FORMATS", "format_of", "round_to", "scale_ulp", "ulp", "ulp_distance"]

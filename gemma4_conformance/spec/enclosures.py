@@ -2,7 +2,7 @@
 
 The judging's first stage (Ziv's strategy, as in CRlibm and CORE-MATH): the oracles stay the
 definition, and an element goes to them only where an enclosure cannot decide its verdict
-(``properties/harness.py``).  One function per oracle, with its name and argument order, each
+(``properties/judging.py``).  One function per oracle, with its name and argument order, each
 returning ``(mid, rad)`` with ``|exact - mid| <= rad`` elementwise.  rad is inf where this stage does
 not bound the result (a non-finite input, an intermediate out of the format's range), and 0 only
 where the result is exactly ``mid`` (masked entries, zero sums).  An op without a function here

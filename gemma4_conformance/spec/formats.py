@@ -53,7 +53,7 @@ FORMATS: dict[str, Format] = {
 }
 
 
-def fmt(dtype) -> Format:
+def format_of(dtype) -> Format:
     """The Format of a dtype, a dtype name, or a Format."""
     if isinstance(dtype, Format):
         return dtype
@@ -104,7 +104,7 @@ def round_to(x, dtype) -> np.ndarray:
     The rounded value is exactly representable in the target, hence in float64, so going through a
     float64 *container* after rounding is exact.  Zeros underflowed from negative values keep their sign.
     """
-    f = fmt(dtype)
+    f = format_of(dtype)
     arr = np.asarray(x, dtype=object)
     out = np.array([_round_scalar(v, f) for v in arr.ravel()], dtype=np.float64).reshape(arr.shape)
     return out.astype(f.dtype)
@@ -197,7 +197,7 @@ def ulp_distance(a, b, dtype=None) -> np.ndarray:
     beyond the largest finite value (so an overflowed rounding is one ULP off, not infinitely far);
     NaN against NaN is 0, NaN against anything else is inf.
     """
-    f = fmt(dtype if dtype is not None else np.asarray(a).dtype)
+    f = format_of(dtype if dtype is not None else np.asarray(a).dtype)
     a = np.asarray(a).astype(f.dtype)
     b = np.asarray(b).astype(f.dtype)
     a_nan, b_nan = np.isnan(a.astype(np.float64)), np.isnan(b.astype(np.float64))
@@ -213,7 +213,7 @@ def ulp(x, dtype) -> np.ndarray:
     Below the normal range the spacing is the smallest subnormal; at or above the largest finite
     value (inf included) it is the spacing of the top binade.
     """
-    f = fmt(dtype)
+    f = format_of(dtype)
     mag = np.abs(np.asarray(x, dtype=np.float64))
     _, e = np.frexp(np.where(np.isfinite(mag), mag, f.max_finite))  # mag = m * 2^e, m in [0.5, 1)
     e = np.where(mag == 0, f.emin, np.clip(e - 1, f.emin, f.emax))
@@ -231,7 +231,7 @@ def scale_ulp(scale, dtype) -> np.ndarray:
     engine that matched a plain float16 arrangement exactly.)  An infinite scale is not finite in any
     unit: it keeps ``ulp``'s top binade, as the verdicts judge infinities on their own.
     """
-    f = fmt(dtype)
+    f = format_of(dtype)
     mag = np.abs(np.asarray(scale, dtype=np.float64))
     _, e = np.frexp(np.where(np.isfinite(mag), mag, f.max_finite))
     e = np.where(mag == 0, f.emin, np.maximum(e - 1, f.emin))

@@ -11,7 +11,7 @@ import numpy as np
 
 from mpmath import mp, mpf
 
-from gemma4_conformance.spec import CONTRACT, enclosures, fmt, get_precision, precision, round_to, scale_ulp
+from gemma4_conformance.spec import CONTRACT, enclosures, format_of, get_precision, precision, round_to, scale_ulp
 from gemma4_conformance.spec.formats import abs_error
 from gemma4_conformance.spec.exact import widen
 
@@ -47,7 +47,7 @@ def call(adapter, op: str, args: tuple, dtype: str) -> np.ndarray:
         raise ContractViolation(f"{where} raised {type(e).__name__}: {e}") from e
     if not isinstance(out, np.ndarray):
         raise ContractViolation(f"{where} returned {type(out).__name__}, not a numpy array")
-    want_dtype = fmt(dtype).dtype
+    want_dtype = format_of(dtype).dtype
     if out.dtype != want_dtype:
         raise ContractViolation(f"{where} returned dtype {out.dtype}, expected {want_dtype}")
     want_shape = CONTRACT[op].output_shape(*args)
@@ -62,7 +62,7 @@ def _widened(args):
 
 
 @dataclass
-class Tier2:
+class BaselineTier:
     """The second tier of an example: the candidate's error and the plain arrangements' largest, in
     ULPs at the tier's scale beyond its absolute allowance, and what the candidate is allowed."""
 
@@ -81,7 +81,7 @@ class Verdict:
     budget: float
     errors: np.ndarray  # ULPs at the scale, per checked coordinate
     failures: list[str] = field(default_factory=list)
-    tier2: Tier2 | None = None
+    tier2: BaselineTier | None = None
     admitted: list[str] = field(default_factory=list)  # trivially wrong answers the allowance admits
     checked: int = 0  # output elements compared with the oracle (all, unless the op's sampler drew some)
     by_oracle: int = 0  # of those, how many the first stage (spec.enclosures) left to the oracle
@@ -209,7 +209,7 @@ _SLACK = 2.0**-40  # relative: what the float64 arithmetic of a verdict may move
 
 def _enclosed(entry, args, dtype, got) -> _Stage | None:
     """The first stage's knowledge, or None where the enclosure does not take the arguments."""
-    f = fmt(dtype)
+    f = format_of(dtype)
     work = enclosures.work_type(f.precision)
     try:
         with np.errstate(all="ignore"):
@@ -268,7 +268,7 @@ def correctly_rounded(oracle, args, exact, dtype, mask=None):
     changes (an exact tie) or the precision reaches MAX_PRECISION."""
     mask = np.ones(exact.shape, dtype=bool) if mask is None else mask
     if not mask.any():
-        return exact, np.zeros(exact.shape, dtype=fmt(dtype).dtype)
+        return exact, np.zeros(exact.shape, dtype=format_of(dtype).dtype)
     bits = get_precision()
     while True:
         values = exact[mask]
@@ -278,7 +278,7 @@ def correctly_rounded(oracle, args, exact, dtype, mask=None):
             high = round_to(np.array([v + abs(v) * slack for v in values], dtype=object), dtype)
         nearest = round_to(values, dtype)
         alike = (low.astype(np.float64) == high.astype(np.float64)) | ~np.array([bool(mp.isfinite(v)) for v in values], dtype=bool)
-        out = np.zeros(exact.shape, dtype=fmt(dtype).dtype)
+        out = np.zeros(exact.shape, dtype=format_of(dtype).dtype)
         out[mask] = nearest
         if alike.all() or bits >= MAX_PRECISION:
             return exact, out
@@ -382,10 +382,10 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
             excess = np.maximum(distance(answer, sign) - t_absolute, 0.0) / t_unit
             return float(np.max(np.where(judged, excess, 0.0), initial=0.0))
 
-        plains = list(entry.plain(op, args, dtype))
+        plains = list(entry.baselines(op, args, dtype))
         baseline = max(beyond(plain) for plain in plains)
         candidate = np.where(finite, got64, np.inf)
-        tier2 = Tier2(beyond(candidate), baseline, b.tier2.ulps(**quantities) + b.factor * baseline)
+        tier2 = BaselineTier(beyond(candidate), baseline, b.tier2.ulps(**quantities) + b.factor * baseline)
         if uncertain and tier2.error <= tier2.allowed:
             lowest = b.tier2.ulps(**quantities) + b.factor * max(beyond(plain, -1) for plain in plains)
             if beyond(candidate, +1) > lowest * (1 - _SLACK):

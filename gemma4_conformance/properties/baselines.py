@@ -23,7 +23,7 @@ import itertools
 
 import numpy as np
 
-from gemma4_conformance.spec import fmt
+from gemma4_conformance.spec import format_of
 
 from .budget import ACCUMULATION
 from .error_models import attention_inputs
@@ -34,7 +34,7 @@ SOFTMAX_IN = ("dtype", "accumulation")
 
 def _rounder(dtype):
     """Round an array in A to D and back to A (float32, or float64 for float64)."""
-    d, a = fmt(dtype).dtype, fmt(ACCUMULATION[dtype]).dtype
+    d, a = format_of(dtype).dtype, format_of(ACCUMULATION[dtype]).dtype
 
     def round_d(x):
         with np.errstate(over="ignore", invalid="ignore"):
