@@ -37,13 +37,7 @@ TOLERANCES_PATH = Path(__file__).with_name("tolerances.yaml")
 ACCUMULATION = {"float64": "float64", "float32": "float32", "bfloat16": "float32", "float16": "float32"}
 
 # ULPs of its own format that one elementary function (exp, tanh, sin, cos, pow, rsqrt) may err by,
-# per accumulation format.  Measured here against mpmath and MPFR on 30000 values over 36 to 120
-# binades per function, then on 1.8 million tanh arguments: float32, at most 3.9 (XLA's tanh),
-# numpy's exp 2.0, torch's functions within 0.6; glibc and SLEEF document at most 1 to 4 for their
-# vector versions.  float64: XLA's tanh reaches 7.1 near |t| = 16 (6.5 beyond 14, 4.7 below 4), its
-# exp 1.5, numpy's and torch's functions within 1.5.  (A first measurement of 3000 values saw 5.0 for
-# XLA's float64 tanh; jax's float64 GELU, whose tanh at t near -19 feeds the cancelling 1 + tanh t,
-# then came within 0.98 of its budget in default runs.)
+# per accumulation format: above what numpy's, torch's, XLA's and glibc's measure (docs/measurements.md).
 TAU = {"float32": 6, "float64": 8}
 
 
