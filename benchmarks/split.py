@@ -17,9 +17,11 @@
    itself.  It also counts, per backend and op, how many output elements the oracle checked out of
    how many the backend made, and the same for the forward's certification and the trace.
 
-It patches only the suite's module attributes (the op table's oracles, ``judging.call``,
-``judging.assess`` and their imports in forward and trace), so it measures any checkout of the suite: run it
-with ``PYTHONPATH=<other checkout>`` from that checkout's root to compare two versions back to back.
+It patches only the suite's module attributes (the op table's oracles, the adapter contract's ``call``
+where the judging, the relations and the composed graph import it, and ``judging.assess`` and its
+imports in forward and trace), so it measures any checkout of the suite since the judge was named
+``judging``: run it with ``PYTHONPATH=<other checkout>`` from that checkout's root to compare two
+versions back to back.
 """
 
 from __future__ import annotations
@@ -155,7 +157,8 @@ def judging_throughput(dtypes: list[str], min_seconds: float, max_work: float) -
     the numpy backend's output, per op and dtype, grown as ``oracle_throughput``; rates in output
     elements per CPU second, and in the op's own unit."""
     from gemma4_conformance import adapters
-    from gemma4_conformance.properties.judging import assess, call
+    from gemma4_conformance.adapters.contract import call
+    from gemma4_conformance.properties.judging import assess
 
     numpy_backend = adapters.load("numpy")
     rows = []
@@ -308,7 +311,9 @@ class Profiler:
 
         for name, entry in list(table.OPS.items()):
             table.OPS[name] = dataclasses.replace(entry, oracle=self._oracle(name, entry.oracle))
-        for module in (judging, relations, forward):
+        composed = importlib.util.find_spec("gemma4_conformance.composition")  # absent in older checkouts
+        graph = importlib.import_module("gemma4_conformance.composition.graph") if composed else None
+        for module in (judging, relations, forward, graph):
             if hasattr(module, "call"):
                 module.call = self._call(module.call)
         for module in (judging, relations):

@@ -34,9 +34,9 @@ from gemma4_conformance.properties.deviations import (
     DeviationsError,
     subject,
 )
-from gemma4_conformance.properties.record import Problem, Recorder, UnsupportedSkip
 from gemma4_conformance.properties.relations import RELATIONS
 from gemma4_conformance.properties.strategies import build
+from gemma4_conformance.report.record import Problem, Recorder, UnsupportedSkip
 from gemma4_conformance.spec import OP_NAMES
 
 # Its trace-file options (--judge-traces, --record-traces) and their hooks live in their own module.
@@ -267,8 +267,6 @@ def real_checkpoint(request, tmp_path_factory):
     """The slow tests' checkpoint, written once for the run they share: (path, the --weights given or
     None, seconds spent writing). ``--weights`` when given, else the real 12B geometry generated in
     the real layout (24 GB) in a temporary folder."""
-    from gemma4_conformance.checkpoints import generate
-
     given = request.config.getoption("--weights")
     if given is not None:
         return given, given, 0.0

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.composition.session import Session
 from tests.mutants import MutantAdapter
 
 
@@ -42,7 +43,7 @@ class LastRowOnly:
         return getattr(numpy_backend, attribute)
 
     def session(self, weights, config, dtype, checkpoint=None):
-        inner = numpy_backend.session(weights, config, dtype, checkpoint)
+        inner = Session(numpy_backend, weights, config, dtype)
         return SimpleNamespace(step=lambda batch: {seq: rows[-1] for seq, rows in inner.step(batch).items()},
                                release=inner.release)
 

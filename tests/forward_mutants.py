@@ -14,7 +14,7 @@ import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.checkpoints.config import TextConfig
-from gemma4_conformance.properties.forward import AdapterOps
+from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec.model import forward
 
 

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.adapters.session import KVCache, Session
+from gemma4_conformance.composition.session import KVCache, Session
 
 
 def _rows(product):

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.adapters.session import KVCache, Session
+from gemma4_conformance.composition.session import KVCache, Session
 
 
 class EvictionOneEarly(KVCache):

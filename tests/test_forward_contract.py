@@ -8,11 +8,12 @@ import pytest
 
 from gemma4_conformance import report
 from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.adapters.contract import ContractViolation
+from gemma4_conformance.composition.graph import composed
 from gemma4_conformance.plugin import EXIT_BROKEN
-from gemma4_conformance.properties.forward import check_finite, composed, judge_forward
-from gemma4_conformance.properties.judging import ContractViolation
-from gemma4_conformance.properties.record import Recorder
+from gemma4_conformance.properties.forward import check_finite, judge_forward
 from gemma4_conformance.properties.trace import completed, judge_trace
+from gemma4_conformance.report.record import Recorder
 from tests.forward_breaches import BREACHES, LOGITS_ONLY
 from tests.test_plugin import suite
 from tests.trace_engines import small_model

@@ -10,7 +10,8 @@ import pytest
 
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.checkpoints import checkpoint, generate
-from gemma4_conformance.properties.forward import ACCUMULATED, FACTOR, composed, judge_forward, local_errors, reference
+from gemma4_conformance.composition.graph import composed
+from gemma4_conformance.properties.forward import ACCUMULATED, FACTOR, judge_forward, local_errors, reference
 from tests.forward_mutants import MUTANTS, ForwardMutant
 
 TOKENS = 24

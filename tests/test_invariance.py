@@ -19,8 +19,8 @@ from gemma4_conformance.properties.invariance import (
     OpInvarianceRecord,
     compare,
 )
-from gemma4_conformance.properties.record import Recorder
 from gemma4_conformance.report import data, html
+from gemma4_conformance.report.record import Recorder
 from tests.invariance_mutants import MUTANTS, ROW_BY_ROW
 from tests.test_plugin import rerun_elsewhere, suite
 

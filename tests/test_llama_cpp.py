@@ -20,7 +20,7 @@ import pytest
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.adapters.llama_cpp_backend import GraphTensor, TraceCollector
 from gemma4_conformance.checkpoints import checkpoint, generate
-from gemma4_conformance.properties.forward import AdapterOps
+from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec.model import forward, nodes
 
 TOKENS = 12
@@ -248,7 +248,8 @@ def _serve(session, rng, vocab):
 def _session_verdicts(engine, small, dtype, session):
     """Per sequence of SCHEDULE: (error of the session's logits against the reference, the bound, the
     forward verdict's failures in bfloat16); see the test below."""
-    from gemma4_conformance.properties.forward import FACTOR, FLOOR, composed, judge_forward, reference, relative_error
+    from gemma4_conformance.composition.graph import composed
+    from gemma4_conformance.properties.forward import FACTOR, FLOOR, judge_forward, reference, relative_error
     from gemma4_conformance.spec import format_of
 
     folder, weights, _, _ = small

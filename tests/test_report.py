@@ -14,11 +14,11 @@ import pytest
 from gemma4_conformance import report
 from gemma4_conformance.properties.budget import budget
 from gemma4_conformance.properties.deviations import Deviation
-from gemma4_conformance.properties.record import Problem, Recorder
-from gemma4_conformance.properties.trace import NodeVerdict, TraceVerdict
 from gemma4_conformance.properties.serving import FACTOR as SERVING_FACTOR
 from gemma4_conformance.properties.serving import Position, ServingRecord
+from gemma4_conformance.properties.trace import NodeVerdict, TraceVerdict
 from gemma4_conformance.report.__main__ import main
+from gemma4_conformance.report.record import Problem, Recorder
 
 ROPE_COMMAND = ("pytest -p gemma4_conformance.plugin --pyargs "
                 "'gemma4_conformance.properties.test_agreement::test_matches_oracle[torch-bfloat16-rope]' "

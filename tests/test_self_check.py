@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from gemma4_conformance import adapters
 from gemma4_conformance.adapters import DTYPES, numpy_backend
 from gemma4_conformance.properties.judging import assess, case_json, judge
-from gemma4_conformance.properties.record import MIN_INFORMATIVE
 from gemma4_conformance.properties.relations import RELATIONS
 from gemma4_conformance.properties.strategies import build, cases, edge_cases
+from gemma4_conformance.report.record import MIN_INFORMATIVE
 from gemma4_conformance.spec import OP_NAMES
 
 SEEDS = (1, 2)
@@ -169,7 +169,6 @@ def test_tau_bounds_the_elementary_functions_the_backends_call(backend, dtype):
     from mpmath import mp, mpf
 
     import gemma4_conformance.adapters.jax_backend  # noqa: F401  (JAX with float64, as the backend runs it)
-
     from gemma4_conformance.properties.budget import tau
 
     run = {"numpy": lambda f, a: f(a), "torch": lambda f, a: f(torch.from_numpy(a)).numpy(),

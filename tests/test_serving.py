@@ -12,15 +12,15 @@ import pytest
 from hypothesis import given, settings
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.adapters.session import KVCache, Segment, bucket
+from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.checkpoints.config import TextConfig
+from gemma4_conformance.composition.graph import missing_ops
+from gemma4_conformance.composition.session import KVCache, Segment, bucket
 from gemma4_conformance.plugin import EXIT_BROKEN, EXIT_NOT_CONFORMANT
-from gemma4_conformance.properties.forward import relative_error
-from gemma4_conformance.properties.judging import ContractViolation
+from gemma4_conformance.properties.forward import ACCUMULATED, relative_error
 from gemma4_conformance.properties.serving import (
     DOCUMENTS,
-    FACTOR,
     FEATURES,
     MAX_STEPS,
     Documents,
@@ -36,6 +36,7 @@ from gemma4_conformance.properties.serving import (
     steps,
     validate,
 )
+from tests.mutants import ADAPTERS as OP_MUTANTS
 from tests.serving_mutants import MUTANTS
 from tests.test_plugin import rerun_elsewhere, suite
 
@@ -114,6 +115,19 @@ def test_the_correct_session_passes_and_each_cache_bug_fails_in_float32(document
         assert verdict.failures and verdict.worst.ratio > 100, mutant.name
 
 
+def test_an_adapter_with_ops_only_is_served_by_its_ops_composed(documents):
+    """An adapter without a session is judged on the serving path, its own ops composed with a real
+    KV cache as the forward composes them: a wrong op then fails the serving verdict too."""
+    schedule = every_feature(WINDOW)
+    assert not hasattr(numpy_backend, "session")
+    verdict = judge(run(numpy_backend, schedule, documents, "float32"), schedule, documents, "float32")
+    assert not verdict.failures
+    wrong = OP_MUTANTS.rmsnorm_weight_as_one_plus_w  # the model's norms scale by 1 + w
+    assert not hasattr(wrong, "session") and missing_ops(wrong) == []
+    verdict = judge(run(wrong, schedule, documents, "float32"), schedule, documents, "float32")
+    assert verdict.failures
+
+
 # Drawn by the default profile's seed 1: the correct numpy session departed from its own one-call prefill
 # by 3.1 x the baseline's error (both its runs round differently) where the relation once allowed 3 x.
 # How far it departs depends on the machine's BLAS kernels (1.3 x on another machine), so the test below
@@ -127,13 +141,13 @@ TWO_ROUNDINGS = {"sequences": [{"id": 0, "join": 0, "chunks": [1, 12, 11], "deco
 
 
 def test_the_relation_to_the_sessions_own_prefill_allows_the_errors_of_both_runs(documents):
-    """The numpy session on that schedule passes; and two runs each within FACTOR x the baseline's error
-    of the exact logits, off in opposite directions, depart from each other by nearly 2 x FACTOR, which
-    the relation allows (one at FACTOR would not)."""
+    """The numpy session on that schedule passes; and two runs each within ACCUMULATED x the baseline's error
+    of the exact logits, off in opposite directions, depart from each other by nearly 2 x ACCUMULATED, which
+    the relation allows (one at ACCUMULATED would not)."""
     result = run(numpy_backend, TWO_ROUNDINGS, documents, "float32")
     verdict = judge(result, TWO_ROUNDINGS, documents, "float32")
     assert not verdict.failures, verdict.failures
-    share = 0.9 * FACTOR
+    share = 0.9 * ACCUMULATED
     stepped, prefilled, departures = [], [], []
     for k, rows in enumerate(result.stepped):
         ref, base = (documents.reference(k % DOCUMENTS)[:len(rows)],
@@ -141,7 +155,7 @@ def test_the_relation_to_the_sessions_own_prefill_allows_the_errors_of_both_runs
         stepped.append(ref + share * (base - ref))
         prefilled.append(ref - share * (base - ref))
         departures.append(relative_error(ref + stepped[-1] - prefilled[-1], ref) / relative_error(base, ref))
-    assert min(departures) > FACTOR
+    assert min(departures) > ACCUMULATED
     opposite = dataclasses.replace(result, stepped=stepped, prefilled=prefilled)
     verdict = judge(opposite, TWO_ROUNDINGS, documents, "float32")
     assert not verdict.failures, verdict.failures

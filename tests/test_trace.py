@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from gemma4_conformance.adapters import load, numpy_backend
-from gemma4_conformance.properties.forward import composed
+from gemma4_conformance.composition.graph import composed
 from gemma4_conformance.properties.trace import (
     FAILED,
     INPUTS_NOT_TRACED,

@@ -18,10 +18,10 @@ from safetensors.numpy import TensorSpec
 
 from gemma4_conformance import tracefile
 from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.checkpoints import checkpoint, generate
+from gemma4_conformance.composition.graph import AdapterOps, TraceRecorder, composed
 from gemma4_conformance.properties import recorded
-from gemma4_conformance.properties.forward import AdapterOps, TraceRecorder, composed
-from gemma4_conformance.properties.judging import ContractViolation
 from gemma4_conformance.properties.trace import INPUTS_NOT_TRACED, NOT_TRACED, PASSED, completed
 from gemma4_conformance.spec.model import decoder_layer
 

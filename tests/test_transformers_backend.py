@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from gemma4_conformance.adapters import AdapterError, load  # noqa: E402
 from gemma4_conformance.adapters import transformers_backend as backend  # noqa: E402
-from gemma4_conformance.properties.forward import composed  # noqa: E402
+from gemma4_conformance.composition.graph import composed  # noqa: E402
 from gemma4_conformance.properties.judging import judge  # noqa: E402
 from gemma4_conformance.properties.trace import completed, judge_trace  # noqa: E402
 from gemma4_conformance.spec import format_of  # noqa: E402

@@ -231,7 +231,8 @@ def test_real_vllm_session_reads_its_prefix_cache_and_matches_the_reference(tmp_
     every row is judged as the serving test judges a sequence."""
     from gemma4_conformance.adapters import numpy_backend
     from gemma4_conformance.checkpoints import checkpoint
-    from gemma4_conformance.properties.forward import LONG_CONTEXT_OPS, composed, judge_forward, reference
+    from gemma4_conformance.composition.graph import composed
+    from gemma4_conformance.properties.forward import LONG_CONTEXT_OPS, judge_forward, reference
     from gemma4_conformance.properties.serving import FACTOR
 
     folder = generate.write_checkpoint(tmp_path / "small", generate.small_config(), seed=0)

@@ -13,7 +13,7 @@ import pytest
 
 from gemma4_conformance import report
 from gemma4_conformance.plugin import EXIT_NOT_CONFORMANT
-from gemma4_conformance.properties.record import OpRecord, Problem, Recorder, RelationRecord
+from gemma4_conformance.report.record import OpRecord, Problem, Recorder, RelationRecord
 
 from .test_plugin import suite
 

@@ -10,7 +10,8 @@ import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.checkpoints import checkpoint, generate
-from gemma4_conformance.properties.forward import AdapterOps, TraceRecorder, reference
+from gemma4_conformance.composition.graph import AdapterOps, TraceRecorder
+from gemma4_conformance.properties.forward import reference
 from gemma4_conformance.spec.model import forward
 from tests.mutants import BF16, MutantAdapter, _engine, _round, sliding_gqa_window_edge_off_by_one
 

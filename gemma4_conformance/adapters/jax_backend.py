@@ -459,13 +459,6 @@ class JaxAdapter:
         self.transfer_seconds += time.perf_counter() - start
         return array
 
-    def session(self, weights, config, dtype, checkpoint=None):
-        """A serving session: the spec's graph with these ops and a real KV cache (adapters/session.py).
-        It reads ``weights``; ``checkpoint``, the folder they come from, is not needed."""
-        from .session import Session  # imported here: it uses the suite's properties, which import this module
-
-        return Session(self, weights, config, dtype)
-
     def environment(self) -> dict:
         env = device_environment(self.jax_device)
         process = jax.config.jax_default_matmul_precision

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 
 import numpy as np
 
@@ -243,14 +242,3 @@ def decode_gqa(scale, q, k, v):
 @_op
 def sigmoid_gate(o, gate):
     return o * sigmoid.wide(gate)
-
-
-# Serving
-
-
-def session(weights, config, dtype, checkpoint=None):
-    """A serving session: the spec's graph with these ops and a real KV cache (adapters/session.py).
-    It reads ``weights``; ``checkpoint``, the folder they come from, is not needed."""
-    from .session import Session  # imported here: it uses the suite's properties, which import this module
-
-    return Session(sys.modules[__name__], weights, config, dtype)

@@ -404,13 +404,6 @@ class TorchAdapter:
             self.transfer_seconds += time.perf_counter() - start
         return to_numpy(t)
 
-    def session(self, weights, config, dtype, checkpoint=None):
-        """A serving session: the spec's graph with these ops and a real KV cache (adapters/session.py).
-        It reads ``weights``; ``checkpoint``, the folder they come from, is not needed."""
-        from .session import Session  # imported here: it uses the suite's properties, which import this module
-
-        return Session(self, weights, config, dtype)
-
     def environment(self) -> dict:
         """The device, its runtime and the math modes this backend's ops run under, for the report."""
         with self._modes():

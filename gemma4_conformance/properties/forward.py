@@ -1,50 +1,38 @@
 """The full forward: a backend's run of the whole model against a certified float64 reference and a
-plain same-dtype baseline (``reference``, ``composed``, ``judge_forward``, ``local_errors``), and the
-forward's contract (``check_output``, which raises ContractViolation saying what was expected).
+plain same-dtype baseline (``reference``, ``judge_forward``, ``local_errors``); the candidate's run is
+composition.graph's ``composed``, under the forward contract of adapters.contract.
 
 The verdict is explained in docs/verdict.md (the full forward), the contract in docs/adapter.md (the forward).
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.adapters.contract import ContractViolation
+from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec import format_of
-from gemma4_conformance.spec.model import decoder_layer, forward, head, nodes
+from gemma4_conformance.spec.model import decoder_layer, forward, head
 
-from .judging import ContractViolation, assess, call
+from .judging import assess
 from .table import ORACLE_WORK
 
-# How much worse than a plain same-dtype implementation a candidate's own error may be.  A layer's own
-# error (the stream reset to the candidate's) is a sum over its ops' roundings and concentrates: on the
-# generated 48-layer model (head dims 32/64, token draws 0-3, float32, bfloat16, float16), torch's
-# worst layer was 1.13 x the baseline's, jax's 2.1 x (float32: XLA's dot products sum in another
-# order, every layer about 1.45 x), the head's logits at most 1.7 x and its log-probability gap 2.4 x
-# (jax float16), while each model-level mistake of tests/test_forward_mutants.py is off by 21 x (bf16,
-# the wrong proportional-RoPE denominator) to 3e9 x at its worst layer, and the missing final softcap
-# by 30 x on the bf16 logits.  3 separates the two with room on both sides.
+# How much worse than the plain same-dtype baseline a candidate's own error may be (a layer's, or the
+# head's): between what correct engines measure and what model-level mistakes make (docs/verdict.md).
 FACTOR = 3.0
-# The accumulated error of one token draw is a few layers' errors amplified along the stream, so its
-# ratio to the baseline's is the own-error ratio times a draw's luck: measured up to 2.1 x the median
-# own-error ratio (jax float32, draw 3: 3.1 x on the logits, 3.3 x at a layer, where no layer's own
-# error exceeds 2.1 x) and 3 x for vLLM's CPU build (4.4 x on one draw, 1.45 x per layer).  So with
-# every own error within FACTOR, FACTOR x 3 bounds the accumulated one; it still catches an error that
-# is small in each layer but adds up coherently (a biased rounding), which grows with depth.
+# An accumulated error is a few layers' own errors amplified along the stream: the own-error factor
+# times a draw's luck (3), measured in docs/verdict.md.
 ACCUMULATED = FACTOR * 3
 FLOOR = 8  # unit roundoffs of the dtype: below that, errors are a handful of final roundings
 # Oracle work per certified op call (element operations, see table.py): every output of every call of
-# the generated model (with its head dims 32/64, ORACLE_WORK // 10 left 1.2% of the outputs unchecked;
-# this costs 8% more), while the 12B geometry's largest calls are sampled.
+# the generated model; the 12B geometry's largest calls are sampled (docs/measurements.md).
 CERTIFY_WORK = ORACLE_WORK // 4
 # The calls a long sequence's reference certifies: what it adds to the forward test's certified calls on
 # the same checkpoint is positions past the window (rope) and many keys across it (attention); every
-# other op acts on each token alone, with the weights and shapes per token that test certifies.  At the
-# 12B geometry (1036 tokens, 2 cores), certifying every call took 2.6 min a layer (6 layers measured:
-# linear 295 s, the norms 145 s), these about 7 s.
+# other op acts on each token alone, with the weights and shapes per token that test certifies.
 LONG_CONTEXT_OPS = frozenset({"rope", "sliding_gqa", "causal_gqa"})
 
 
@@ -67,23 +55,6 @@ def run_seed(config) -> int:
     tokens too), else 0; a rerun command carries it."""
     seed = config.getoption("hypothesis_seed", None)
     return int(seed) if seed is not None and str(seed).isdigit() else 0
-
-
-class AdapterOps:
-    """An adapter's ops in one dtype, under the contract's checks: the graph's ops object for backends."""
-
-    def __init__(self, adapter, dtype: str, observe=None):
-        self.adapter, self.dtype, self.observe = adapter, dtype, observe
-        self.name = adapter.name
-
-    def op(self, node, name, *args):
-        out = call(self.adapter, name, args, self.dtype)
-        if self.observe is not None:
-            self.observe(node, name, args, out)
-        return out
-
-    def weight(self, array):
-        return np.asarray(array).astype(format_of(self.dtype).dtype)
 
 
 @dataclass
@@ -118,146 +89,6 @@ def reference(config, weights, tokens, certify: bool = True, ops: frozenset[str]
     certificate = Certificate(ops) if certify else None
     result = forward(AdapterOps(numpy_backend, "float64", observe=certificate), config, weights, tokens)
     return result, certificate
-
-
-class TraceRecorder:
-    """An ops object's observer that keeps every node's output: the trace of a composed forward.  The
-    LM head's calls (one per VOCAB_CHUNK columns, all under the node ``logits``) are joined along the
-    vocabulary, as an engine's trace of that node would be."""
-
-    def __init__(self):
-        self.trace: dict[str, np.ndarray] = {}
-
-    def __call__(self, node, op, args, out):
-        if node in self.trace:
-            out = np.concatenate([self.trace[node], out], axis=-1)
-        self.trace[node] = out
-
-
-def composed(adapter, config, weights, tokens, dtype: str, trace: bool = False) -> dict:
-    """``logits``, ``hidden_states`` (None when not given) and ``trace`` (None when not given): the
-    adapter's own forward under the contract's checks if it has one, else the spec's graph run with its
-    ops in ``dtype`` (which records the trace when ``trace``)."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    if hasattr(adapter, "forward"):
-        return check_output(run_forward(adapter, config, weights, tokens, dtype), config, len(tokens), dtype,
-                            f"{adapter.name}.forward in {dtype}")
-    recorder = TraceRecorder() if trace else None
-    out = forward(AdapterOps(adapter, dtype, observe=recorder), config, weights, tokens)
-    return {**out, "trace": recorder.trace if trace else None}
-
-
-def run_forward(adapter, config, weights, tokens, dtype: str):
-    """``adapter.forward(weights, config.raw, tokens, dtype, checkpoint=...)``, the checkpoint folder
-    passed when the weights come from one and the adapter's forward takes it (adapters written before
-    the argument existed take four); an exception is the adapter breaking, named as such."""
-    kwargs = {}
-    folder = getattr(weights, "path", None)
-    if folder is not None and _accepts(adapter.forward, "checkpoint"):
-        kwargs["checkpoint"] = str(folder)
-    try:
-        return adapter.forward(weights, config.raw, tokens.copy(), dtype, **kwargs)
-    except ContractViolation:
-        raise
-    except Exception as e:
-        raise ContractViolation(f"{adapter.name}.forward in {dtype} raised {type(e).__name__}: {e}") from e
-
-
-def _accepts(fn, name: str) -> bool:
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    return any(p.name == name or p.kind == p.VAR_KEYWORD for p in parameters)
-
-
-_WIDER = {"float64": ("float64",), "float32": ("float64", "float32"),
-          "bfloat16": ("float64", "float32", "bfloat16"), "float16": ("float64", "float32", "float16")}
-
-
-def wide_enough(array: np.ndarray, dtype: str) -> bool:
-    """Logits in the dtype under test or a wider one, what the forward and serving contracts accept
-    (engines often return float32 logits of a bf16 or fp16 run)."""
-    return str(array.dtype) in _WIDER[dtype]
-
-
-def _array(value, what: str, where: str) -> np.ndarray:
-    if not isinstance(value, np.ndarray):
-        raise ContractViolation(f"{where}: {what} is {type(value).__name__}, expected a numpy array")
-    if value.dtype.kind != "f" and value.dtype != format_of("bfloat16").dtype:
-        raise ContractViolation(f"{where}: {what} has dtype {value.dtype}, expected a floating dtype")
-    return value
-
-
-def check_output(out, config, T: int, dtype: str, where: str) -> dict:
-    """An adapter forward's result checked against the forward contract (module docstring):
-    ``{"logits", "hidden_states", "trace"}``, the optional ones None when not given."""
-    if not isinstance(out, dict) or "logits" not in out:
-        got = 'a dict without "logits"' if isinstance(out, dict) else type(out).__name__
-        raise ContractViolation(f'{where} returned {got}; expected a dict with "logits" [T, V] and '
-                                f'optionally "hidden_states" and "trace"')
-    unknown = sorted(set(out) - {"logits", "hidden_states", "trace"})
-    if unknown:
-        raise ContractViolation(f"{where} returned the unknown key(s) {unknown}; the contract's keys are "
-                                '"logits", "hidden_states" and "trace"')
-    V, H, L = config.vocab_size, config.hidden_size, config.num_layers
-    logits = _array(out["logits"], "logits", where)
-    shape = tuple(logits.shape)
-    if shape != (T, V):
-        if shape == (V,):
-            hint = "only one position's logits: every position's are judged"
-        elif shape == (1, T, V):
-            hint = "a batch axis: return the one sequence's [T, V]"
-        elif len(shape) == 2 and shape[0] == T and shape[1] > V:
-            hint = f"a vocabulary padded to {shape[1]}: return the first V = {V} columns"
-        elif len(shape) == 2 and shape[1] == V and shape[0] < T:
-            hint = f"{shape[0]} of the {T} positions"
-        else:
-            hint = "the wrong shape"
-        raise ContractViolation(f"{where} returned logits of shape {shape}: {hint}; expected exactly "
-                                f"[T, V] = {[T, V]}")
-    if not wide_enough(logits, dtype):
-        raise ContractViolation(f"{where} returned logits in {logits.dtype}, narrower than the dtype under test "
-                                f"({dtype}); expected {dtype} or wider")
-    hidden = out.get("hidden_states")
-    if hidden is not None:
-        if not isinstance(hidden, (list, tuple)):
-            raise ContractViolation(f"{where}: hidden_states is {type(hidden).__name__}, expected a list of "
-                                    f"{L} arrays [T, H], one per layer")
-        if len(hidden) != L:
-            hint = " (the embedding output counted first, as transformers' output_hidden_states does?)" \
-                if len(hidden) == L + 1 else ""
-            raise ContractViolation(f"{where} returned {len(hidden)} hidden states{hint}; expected one per layer, "
-                                    f"{L}, each the layer's output [T, H] = {[T, H]}")
-        for i, h in enumerate(hidden):
-            h = _array(h, f"hidden_states[{i}]", where)
-            if tuple(h.shape) != (T, H):
-                raise ContractViolation(f"{where}: hidden_states[{i}] has shape {tuple(h.shape)}; expected the "
-                                        f"layer's output [T, H] = {[T, H]}")
-        hidden = list(hidden)
-    trace = out.get("trace")
-    if trace is not None:
-        if not isinstance(trace, dict):
-            raise ContractViolation(f"{where}: trace is {type(trace).__name__}, expected a dict of graph nodes "
-                                    f"(spec.model.nodes) to arrays")
-        graph = nodes(config)
-        for node, value in trace.items():
-            if node not in graph:
-                layer = ", ".join(_layer_names(graph))
-                raise ContractViolation(f"{where}: trace node {node!r} does not exist in the graph; its nodes are "
-                                        f"embed, layers.{{i}}.<{layer}> and final_norm, logits (spec.model.nodes)")
-            _array(value, f"trace[{node!r}]", where)
-    return {"logits": logits, "hidden_states": hidden, "trace": trace}
-
-
-def _layer_names(graph) -> list[str]:
-    names = []
-    for node in graph:
-        if node.startswith("layers."):
-            name = node.split(".", 2)[2]
-            if name not in names:
-                names.append(name)
-    return names
 
 
 def check_finite(candidate: dict, ref: dict, where: str) -> None:

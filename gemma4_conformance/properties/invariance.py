@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from gemma4_conformance.adapters import INVARIANCE
+from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec import CONTRACT
 from gemma4_conformance.spec.formats import ulp_distance
 from gemma4_conformance.spec.model import forward
 
-from .forward import AdapterOps
 from .serving import Documents, case_json, play
 
 RELATIONS = INVARIANCE

@@ -8,52 +8,17 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mpmath import mp, mpf
 
+from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.spec import CONTRACT, enclosures, format_of, get_precision, precision, round_to, scale_ulp
-from gemma4_conformance.spec.formats import abs_error
 from gemma4_conformance.spec.exact import widen
+from gemma4_conformance.spec.formats import abs_error
 
 from .budget import budget
-from .strategies import build
 from .error_models import attention_inputs
+from .strategies import build
 from .table import OPS, ORACLE_WORK
-
-
-class Unsupported(Exception):
-    """The adapter does not implement the op (a skip, listed in the report, never an error)."""
-
-
-class ContractViolation(Exception):
-    """The adapter raised, or returned something other than the contract's array: the adapter broke,
-    which is not a conformance failure (the run exits 6, not 1; see the plugin)."""
-
-
-def call(adapter, op: str, args: tuple, dtype: str) -> np.ndarray:
-    """The adapter's result for ``op`` on ``args``, checked for type, dtype and shape.
-
-    The adapter gets copies, so an adapter that writes into its inputs cannot change what the
-    oracle sees.
-    """
-    fn = getattr(adapter, op, None)
-    if fn is None:
-        raise Unsupported(f"{adapter.name} does not implement {op}")
-    where = f"{adapter.name}.{op} in {dtype}"
-    kwargs = {"dtype": dtype} if op == "inv_freq" else {}
-    try:
-        out = fn(*(a.copy() if isinstance(a, np.ndarray) else a for a in args), **kwargs)
-    except Exception as e:
-        raise ContractViolation(f"{where} raised {type(e).__name__}: {e}") from e
-    if not isinstance(out, np.ndarray):
-        raise ContractViolation(f"{where} returned {type(out).__name__}, not a numpy array")
-    want_dtype = format_of(dtype).dtype
-    if out.dtype != want_dtype:
-        raise ContractViolation(f"{where} returned dtype {out.dtype}, expected {want_dtype}")
-    want_shape = CONTRACT[op].output_shape(*args)
-    if out.shape != want_shape:
-        raise ContractViolation(f"{where} returned shape {out.shape}, expected {want_shape}")
-    return out
 
 
 def _widened(args):

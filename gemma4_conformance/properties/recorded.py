@@ -29,11 +29,10 @@ import numpy as np
 
 from gemma4_conformance import tracefile
 from gemma4_conformance.adapters import DTYPES
+from gemma4_conformance.adapters.contract import ContractViolation, wide_enough
 from gemma4_conformance.spec import format_of
 from gemma4_conformance.spec.model import nodes
 
-from .forward import wide_enough
-from .judging import ContractViolation
 from .trace import NODE_WORK, TraceVerdict, completed, judge_trace, replay
 
 

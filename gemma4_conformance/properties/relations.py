@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
+from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.spec import CONTRACT, format_of, scale_ulp
 from gemma4_conformance.spec.exact import widen
 
 from .budget import ACCUMULATION, budget
-from .judging import call
 from .strategies import build, cases
 from .table import OPS
 

@@ -9,7 +9,6 @@ docs/adapter.md (the session).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -17,19 +16,16 @@ import numpy as np
 from hypothesis import strategies as st
 
 from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.adapters.contract import ContractViolation, check_step
+from gemma4_conformance.composition.graph import composed
+from gemma4_conformance.composition.session import open_session
 from gemma4_conformance.spec import format_of
 
-from .forward import ACCUMULATED, FLOOR, composed, drawn_tokens, judge_forward, reference, relative_error, wide_enough
-from .judging import ContractViolation
+from .forward import ACCUMULATED, FLOOR, drawn_tokens, judge_forward, reference, relative_error
 
 SERVING_DTYPES = ("float32", "bfloat16")
 # A session returns logits only, so a sequence's rows are judged as the forward judges an engine's
-# accumulated errors: the factor over the baseline's own error on each op (forward.FACTOR) times a draw's
-# luck (forward.ACCUMULATED).  A sequence is one draw of tokens, often a short one: the correct torch
-# session's logits reached 3.7 x the baseline's error on a 10-token sequence (default profile, seed 1),
-# with its ops' own errors at most 1.13 x in the forward; the cache bugs of the mutation study are 1e3 to
-# 1e4 x in float32.
-FACTOR = ACCUMULATED
+# accumulated errors, at forward.ACCUMULATED x the baseline's (docs/verdict.md, the serving path).
 DOCUMENTS = 8  # as many as sequences may be live at once, so concurrent sequences never share tokens
 MAX_SEQUENCES = 8
 MAX_STEPS = 16
@@ -197,33 +193,6 @@ class Documents:
 
 # ----------------------------------------------------------------------------------------- running
 
-def check_step(out, batch: Mapping[int, np.ndarray], vocab: int, dtype: str, where: str) -> None:
-    """A step's result must be a dict with exactly the stepped ids, each [n, V] in the dtype or wider (as
-    the forward contract), no NaN (the reference's logits are finite): anything else breaks the contract."""
-    expected = (f"expected a dict with exactly the ids {sorted(batch)}, each a float array [n, {vocab}] in "
-                f"{dtype} or wider")
-    if not isinstance(out, Mapping):
-        raise ContractViolation(f"{where} returned {type(out).__name__}; {expected}")
-    if set(out) != set(batch):
-        raise ContractViolation(f"{where} returned the ids {sorted(out, key=str)}; {expected}")
-    for seq, rows in out.items():
-        n = len(batch[seq])
-        if not isinstance(rows, np.ndarray):
-            raise ContractViolation(f"{where}: sequence {seq}'s logits are {type(rows).__name__}; {expected}")
-        if rows.shape != (n, vocab) or not wide_enough(rows, dtype):
-            raise ContractViolation(f"{where}: sequence {seq} appended {n} tokens and got logits {rows.dtype} "
-                                    f"{list(rows.shape)}; {expected}")
-        if np.isnan(rows.astype(np.float64)).any():
-            raise ContractViolation(f"{where}: NaN in sequence {seq}'s logits, where the reference is finite")
-
-
-def _session(adapter, documents, dtype):
-    try:
-        return adapter.session(documents.weights, documents.config.raw, dtype, checkpoint=documents.checkpoint)
-    except Exception as e:
-        raise ContractViolation(f"{adapter.name}.session(...) in {dtype} raised {type(e).__name__}: {e}") from e
-
-
 def _call(what: str, fn, *args):
     try:
         return fn(*args)
@@ -256,7 +225,7 @@ def play(adapter, schedule: dict, tokens: list[np.ndarray], documents: Documents
     pieces: list[list] = [[] for _ in schedule["sequences"]]
     decoded: list[list] = [[] for _ in schedule["sequences"]]
     plan = steps(schedule)
-    session = _session(adapter, documents, dtype)
+    session = open_session(adapter, documents.weights, documents.config.raw, dtype, documents.checkpoint)
     for t, (batch, released) in enumerate(plan):
         given = {seq: tokens[p.sequence][p.start:p.start + p.n] for seq, p in batch.items()}
         where = f"{adapter.name} session.step #{t} of the schedule"
@@ -276,7 +245,7 @@ def run(adapter, schedule: dict, documents: Documents, dtype: str) -> Run:
     vocab = documents.config.vocab_size
     tokens = [documents.of(k, s) for k, s in enumerate(schedule["sequences"])]
     stepped, decoded, taken = play(adapter, schedule, tokens, documents, dtype)
-    session = _session(adapter, documents, dtype)
+    session = open_session(adapter, documents.weights, documents.config.raw, dtype, documents.checkpoint)
     given = dict(enumerate(tokens))
     where = f"{adapter.name} session.step (one-call prefill of every sequence)"
     out = _call(where, session.step, given)
@@ -307,7 +276,7 @@ class LogitRows:
 @dataclass
 class Position:
     """One logit row against the reference: its relative error, the baseline's, and the ratio to
-    what the verdict allows a row (FACTOR x the baseline's error, or the floor)."""
+    what the verdict allows a row (ACCUMULATED x the baseline's error, or the floor)."""
 
     ratio: float
     error: float
@@ -332,7 +301,7 @@ def worst_row(rows, baseline, ref, dtype: str, k: int, decoded) -> Position:
     best = None
     for p in range(len(rows)):
         ec, eb = relative_error(rows[p], ref[p]), relative_error(baseline[p], ref[p])
-        ratio = ec / max(FACTOR * eb, floor)
+        ratio = ec / max(ACCUMULATED * eb, floor)
         if best is None or ratio > best.ratio:
             best = Position(ratio, ec, eb, k, p, bool(decoded[p]))
     return best
@@ -346,17 +315,15 @@ def judge(result: Run, schedule: dict, documents: Documents, dtype: str) -> Sche
         L, d = length(s), k % DOCUMENTS
         rows, ref, base = result.stepped[k], documents.reference(d)[:L], documents.baseline(d, dtype)[:L]
         name = f"sequence {k} (id {s['id']}, {L} tokens, document {d})"
-        verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype, accumulated=FACTOR)
+        verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype, accumulated=ACCUMULATED)
         failures += [f"{name} against the reference: {f}" for f in verdict.failures]
         # The relation in the same verdict: the stepped rows' departure from the session's own prefill,
         # laid on the reference, against the baseline's error. Both are runs of the engine, each within
-        # FACTOR x the baseline's error of the exact logits (the check above), rounded differently (the
-        # chunks and the batch change the shape of every product), so they differ by up to the sum of
-        # two such errors: 2 x FACTOR. (The numpy session in float32, default profile, seed 1: 3.1 x the
-        # baseline from its own prefill.)
+        # ACCUMULATED x the baseline's error of the exact logits (the check above), rounded differently
+        # (the chunks and the batch change the shape of every product): up to the sum of two such errors.
         departure = ref + (rows.astype(np.float64) - result.prefilled[k].astype(np.float64))
         relation = judge_forward({"logits": departure}, {"logits": base}, {"logits": ref}, dtype,
-                                 accumulated=2 * FACTOR)
+                                 accumulated=2 * ACCUMULATED)
         failures += [f"{name} stepped against the session's own one-call prefill: {f}" for f in relation.failures]
         row = worst_row(rows, base, ref, dtype, k, result.decoded[k])
         if worst is None or row.ratio > worst.ratio:

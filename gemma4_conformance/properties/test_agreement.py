@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import currently_in_test_context, given, target
+from hypothesis import currently_in_test_context, given
 from hypothesis import strategies as st
+from hypothesis import target
 
-from .judging import ContractViolation, Unsupported, judge, rerun_command
+from gemma4_conformance.adapters.contract import ContractViolation, Unsupported
+from gemma4_conformance.report.record import MIN_INFORMATIVE, UnsupportedSkip
+
+from .judging import judge, rerun_command
 from .real_size import real_size_cases
-from .record import MIN_INFORMATIVE, UnsupportedSkip
 from .strategies import cases, edge_cases
 
 

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 
 from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.checkpoints import checkpoint, generate
-from gemma4_conformance.spec.model import OPS_USED
+from gemma4_conformance.composition.graph import composed, missing_ops
+from gemma4_conformance.report.record import UnsupportedSkip
 
-from .forward import check_finite, composed, drawn_tokens, judge_forward, local_errors, reference, run_seed
-from .judging import ContractViolation, rerun_command
+from .forward import check_finite, drawn_tokens, judge_forward, local_errors, reference, run_seed
+from .judging import rerun_command
 from .recorded import record
-from .record import UnsupportedSkip
 from .trace import completed, judge_trace
 
 FORWARD_DTYPES = ("float32", "bfloat16", "float16")
@@ -61,7 +62,7 @@ def candidate_run(request, adapter, dtype: str, model, runs) -> dict:
     raised by the test that ran it and makes the other skip, so one breach is reported once."""
     if dtype not in adapter.dtypes or dtype not in request.config.conformance_dtypes:
         pytest.skip(f"{adapter.name} is not tested in {dtype} here")
-    missing = [op for op in OPS_USED if not hasattr(adapter, op)]
+    missing = missing_ops(adapter)
     if missing and not hasattr(adapter, "forward"):
         raise UnsupportedSkip(f"{adapter.name} has no forward and does not implement {', '.join(missing)}")
     key = (adapter.name, dtype)

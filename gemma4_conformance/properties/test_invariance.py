@@ -14,13 +14,16 @@ import pytest
 from hypothesis import currently_in_test_context, given, settings, target
 
 from gemma4_conformance.adapters import DTYPES
+from gemma4_conformance.adapters.contract import ContractViolation
+from gemma4_conformance.composition.graph import missing_ops
+from gemma4_conformance.report.record import UnsupportedSkip
 from gemma4_conformance.spec.model import OPS_USED
 
-from .judging import ContractViolation, rerun_command
 from .invariance import RELATIONS, InvarianceRecord, Plays, check, claims, fixed, op_invariance
-from .record import UnsupportedSkip
+from .judging import rerun_command
 from .serving import EXAMPLES_SHARE, SERVING_DTYPES, case_json, normalize, schedules, validate
 from .test_serving import documents  # noqa: F401 - the serving test's checkpoint and documents
+
 
 @pytest.fixture(scope="session")
 def plays():
@@ -40,9 +43,10 @@ def test_invariance(request, backend, adapter, invariance_dtype, invariance, doc
     record = request.config.conformance_recorder.invariance.setdefault(
         (adapter.name, dtype, invariance),
         InvarianceRecord(adapter.name, dtype, invariance, claimed=invariance in claims(adapter)))
-    if not hasattr(adapter, "session"):
+    missing = missing_ops(adapter)
+    if missing and not hasattr(adapter, "session"):
         record.outcome = "unsupported"
-        pytest.skip(f"{adapter.name} does not support the serving path (it has no session)")
+        pytest.skip(f"{adapter.name} has no session and does not implement {', '.join(missing)}")
 
     def one(schedule):
         command = rerun_command(request.node, backend, schedule)

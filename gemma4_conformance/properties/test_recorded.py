@@ -12,11 +12,12 @@ import shlex
 import pytest
 
 from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.checkpoints import checkpoint
+from gemma4_conformance.composition.graph import composed
 
 from . import recorded as recording
-from .forward import composed, judge_forward, local_errors, reference
-from .judging import ContractViolation
+from .forward import judge_forward, local_errors, reference
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gemma4_conformance.report.record import UnsupportedSkip
+
 from .judging import rerun_command
-from .record import UnsupportedSkip
 from .relations import RELATIONS
 
 

@@ -16,15 +16,17 @@ import pytest
 from hypothesis import currently_in_test_context, given, settings, target
 
 from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.checkpoints import checkpoint, generate
+from gemma4_conformance.composition.graph import AdapterOps, missing_ops
+from gemma4_conformance.composition.session import open_session
+from gemma4_conformance.report.record import UnsupportedSkip
 from gemma4_conformance.spec.model import forward
 
-from .forward import LONG_CONTEXT_OPS, AdapterOps, Certificate, drawn_tokens, judge_forward, run_seed
-from .judging import ContractViolation, rerun_command
-from .record import UnsupportedSkip
+from .forward import ACCUMULATED, LONG_CONTEXT_OPS, Certificate, drawn_tokens, judge_forward, run_seed
+from .judging import rerun_command
 from .serving import (
     EXAMPLES_SHARE,
-    FACTOR,
     SERVING_DTYPES,
     Documents,
     LogitRows,
@@ -53,9 +55,10 @@ def test_serving_matches_reference(request, backend, adapter, serving_dtype, doc
         pytest.skip(f"{adapter.name} is not tested in {serving_dtype} here")
     record = request.config.conformance_recorder.serving.setdefault(
         (adapter.name, serving_dtype), ServingRecord(adapter.name, serving_dtype))
-    if not hasattr(adapter, "session"):
+    missing = missing_ops(adapter)
+    if missing and not hasattr(adapter, "session"):
         record.outcome = "unsupported"
-        raise UnsupportedSkip(f"{adapter.name} does not support the serving path (it has no session)")
+        raise UnsupportedSkip(f"{adapter.name} has no session and does not implement {', '.join(missing)}")
     window = documents.window
 
     def check(schedule):
@@ -106,8 +109,9 @@ def test_serving_at_the_real_12b_geometry(request, backend, adapter, real_checkp
     adapter has it: cache bugs do not depend on the dtype, and float32's small baseline error lets
     none hide) on the rows around the wrap, against the certified float64 reference prefill and the
     plain baseline; the weights stream a layer at a time and the process stays under 8 GiB."""
-    if not hasattr(adapter, "session"):
-        raise UnsupportedSkip(f"{adapter.name} does not support the serving path (it has no session)")
+    missing = missing_ops(adapter)
+    if missing and not hasattr(adapter, "session"):
+        raise UnsupportedSkip(f"{adapter.name} has no session and does not implement {', '.join(missing)}")
     path, given, seconds = real_checkpoint
     timings = {"generation": seconds}
     weights = checkpoint.load(path)
@@ -122,7 +126,7 @@ def test_serving_at_the_real_12b_geometry(request, backend, adapter, real_checkp
     certificate = Certificate(ops=LONG_CONTEXT_OPS)
 
     def served():
-        session, rows = adapter.session(weights, config.raw, dtype, checkpoint=str(path)), []
+        session, rows = open_session(adapter, weights, config.raw, dtype, str(path)), []
         for t, (start, n) in enumerate(pieces):
             given_tokens = {0: tokens[start:start + n]}
             out = session.step(given_tokens)
@@ -146,7 +150,7 @@ def test_serving_at_the_real_12b_geometry(request, backend, adapter, real_checkp
         results[stage] = compute()
         timings[stage] = time.perf_counter() - start
     rows, ref, base = results["session"], results["reference"], results["baseline"]
-    verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype, accumulated=FACTOR)
+    verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype, accumulated=ACCUMULATED)
     record = request.config.conformance_recorder.serving.setdefault(
         (f"{adapter.name} (12B)", dtype), ServingRecord(f"{adapter.name} (12B)", dtype))
     record.schedules, record.sequences, record.steps, record.tokens = 1, 1, len(pieces), len(judged)

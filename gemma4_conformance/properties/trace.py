@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.spec import CONTRACT, format_of
 from gemma4_conformance.spec.model import forward, nodes
 
-from .judging import ContractViolation, assess
+from .judging import assess
 
-NODE_WORK = 1_000  # oracle multiply-adds per judged node (see "Cost" above)
+NODE_WORK = 1_000  # oracle work per judged node, in element operations (table.py): about one row
 
 PASSED, FAILED, NOT_TRACED, INPUTS_NOT_TRACED = "passed", "failed", "not traced", "inputs not traced"
 OUTCOMES = (PASSED, FAILED, NOT_TRACED, INPUTS_NOT_TRACED)

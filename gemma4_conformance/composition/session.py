@@ -1,10 +1,11 @@
-"""The built-in serving path: the spec's graph continued from a real KV cache, with any adapter's ops.
+"""The composed serving path: the spec's graph continued from a real KV cache, with any adapter's ops.
 
-    session = numpy_backend.session(weights, config, "bfloat16")   # torch_backend, jax_backend alike
-    logits = session.step({0: prompt_chunk, 1: np.array([token])})  # {0: [n, V], 1: [1, V]} in bfloat16
-    session.release(1)                                               # id 1 may start again, empty
+    session = open_session(numpy_backend, weights, config, "bfloat16")  # any adapter with the graph's ops
+    logits = session.step({0: prompt_chunk, 1: np.array([token])})       # {0: [n, V], 1: [1, V]} in bfloat16
+    session.release(1)                                                    # id 1 may start again, empty
 
-This is the serving contract of properties/serving.py, implemented once for every built-in backend:
+This is the serving contract (docs/adapter.md), implemented once for every adapter without a session
+of its own, as the forward composes the ops of one without a forward:
 ``Session(adapter, ...)`` runs ``spec.model.forward`` with the adapter's ops (``AdapterOps``, under
 the contract's checks) and a ``KVCache`` as the graph's ``cache``, so the serving path is the same
 graph as the forward, never a second copy of it per backend.
@@ -28,10 +29,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.checkpoints.config import TextConfig
-from gemma4_conformance.properties.forward import AdapterOps
 from gemma4_conformance.spec import format_of
 from gemma4_conformance.spec.model import forward
+
+from .graph import AdapterOps
 
 RESIDENT_BYTES = 1 << 30  # weights up to this size are read into memory once; a larger checkpoint streams
 
@@ -73,7 +76,7 @@ class SessionOps(AdapterOps):
     """
 
     def op(self, node, name, *args):
-        if name in ("sliding_gqa", "causal_gqa") and isinstance(args[-1], Segments):
+        if isinstance(args[-1], Segments):  # attention over the cache: its keys and values per sequence
             *head, positions, q, keys, values = args
             out = np.zeros(q.shape, q.dtype)  # padding rows, which belong to no sequence, stay 0
             for rows, k, v in zip(keys.rows, keys.arrays, values.arrays):
@@ -270,3 +273,13 @@ def _resident(weights: Mapping) -> Mapping:
         return weights
     return {name: np.array(weights[name]) for name in weights}
 
+
+def open_session(adapter, weights: Mapping, config, dtype: str, checkpoint: str | None = None):
+    """A serving session of ``adapter``: its own (``adapter.session``, an engine's) where it has one,
+    else its ops composed with a real KV cache (``Session``).  An exception is the adapter breaking."""
+    if not hasattr(adapter, "session"):
+        return Session(adapter, weights, config, dtype)
+    try:
+        return adapter.session(weights, config, dtype, checkpoint=checkpoint)
+    except Exception as e:
+        raise ContractViolation(f"{adapter.name}.session(...) in {dtype} raised {type(e).__name__}: {e}") from e

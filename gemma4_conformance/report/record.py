@@ -8,8 +8,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pytest
 
+from gemma4_conformance.properties.forward import ForwardVerdict
+from gemma4_conformance.properties.invariance import Difference, InvarianceRecord, OpInvarianceRecord
+from gemma4_conformance.properties.serving import Position, ServingRecord
+from gemma4_conformance.properties.trace import NodeVerdict, TraceVerdict
 from gemma4_conformance.spec import OP_NAMES
-
 
 # Informative examples an op x dtype needs to count as established: an example whose allowance admits
 # a trivially wrong answer (zeros, the sign flipped, attention's uniform weights or a zeroed head)
@@ -188,11 +191,6 @@ class Recorder:
     def merge(self, data: dict) -> None:
         """Add what another process recorded (``export``'s data): each test runs in one worker, so the
         tests' records do not overlap."""
-        from .forward import ForwardVerdict  # these import the harness, which needs this module
-        from .invariance import Difference, InvarianceRecord, OpInvarianceRecord
-        from .serving import Position, ServingRecord
-        from .trace import NodeVerdict, TraceVerdict
-
         for r in data["records"]:
             record = OpRecord(**r)
             self.records[record.backend, record.dtype, record.op] = record
