@@ -94,4 +94,4 @@ def test_a_case_there_ends_in_a_verdict(run_case, op, case, lean):
     """Exit 0 (conformant) or 1 (a failure: numpy's float arithmetic gives NaN for 0 / 0), not 6."""
     rc, out = run_case(op, case)
     assert rc in (0, 1) and "Traceback" not in out and "Error" not in out, out[-3000:]
-    assert "conformance exit status" in out, out[-3000:]
+    assert "conformance exit status" in out and f" {op} " in out, out[-3000:]  # the op's row in the summary
