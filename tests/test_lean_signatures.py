@@ -223,7 +223,7 @@ def test_a_swapped_lean_argument_is_reported(tmp_path):
 
 def test_a_lean_definition_without_an_op_is_reported(tmp_path):
     (tmp_path / "Extra.lean").write_text("noncomputable def fooBar {N : ℕ} (a : ℝ) (x : Fin N → ℝ) : ℝ := a\n")
-    assert signature_mismatches(lean_defs(tmp_path)) [0] == \
+    assert signature_mismatches(lean_defs(tmp_path))[0] == \
         "foo_bar: the Lean fooBar (Extra.lean) has no contract entry"
 
 
