@@ -32,6 +32,7 @@ import math
 
 import numpy as np
 
+from gemma4_conformance import spec
 from gemma4_conformance.spec import format_of, scale_ulp
 
 from .budget import ACCUMULATION, accumulation_ratio, tau
@@ -92,7 +93,7 @@ def gelu_tanh(args, exact, dtype):
 def softcap(args, exact, dtype):
     """|y|; x / c may flush before the product with c."""
     c, x = args
-    return np.abs(exact), product_flush(dtype, c, x / c, 1.0)
+    return np.abs(exact), product_flush(dtype, c, np.divide(x, c, out=np.zeros_like(x), where=c != 0), 1.0)  # Lean's x / 0 = 0
 
 
 def _gate_up(gu):
@@ -126,9 +127,11 @@ def residual(args, exact, dtype):
 
 
 def _normalisation(eps, x, mean=True):
-    """The normalised x and 1 / rms, in float64."""
+    """The normalised x and 1 / rms, in float64; 1 / rms is 0 where the spec's is (Lean's Real.sqrt of
+    0 or less is 0, and 1 / 0 = 0)."""
     total = np.mean(x * x, axis=-1, keepdims=True) if mean else np.sum(x * x, axis=-1, keepdims=True)
-    inverse = 1 / np.sqrt(total + eps)
+    root = np.sqrt(np.maximum(total + eps, 0.0))
+    inverse = np.divide(1, root, out=np.zeros_like(root), where=root > 0)
     return x * inverse, inverse
 
 
@@ -190,6 +193,8 @@ def lm_head(args, exact, dtype):
         abs(mul) * ((1 + np.abs(x)) @ (1 + np.abs(W)).T) * tiny_accumulated(dtype)
     if cap is None:
         return np.abs(mul) * dots, flush
+    if cap == 0:  # softcap 0 y = 0 * tanh (y / 0) = 0, Lean's y / 0 being 0: a constant, nothing to scale
+        return np.abs(exact), flush
     u, u_acc = format_of(dtype).eps, format_of(ACCUMULATION[dtype]).eps
     uncertainty = (K * u_acc + 2 * u + K * 2.0**-52) * dots
     nearest = np.maximum(np.abs(x @ W.T) - uncertainty, 0.0)
@@ -227,14 +232,15 @@ def rope(args, exact, dtype):
     scale = np.abs(x).copy()
     angle_error = np.zeros_like(scale)
     u_acc = format_of(ACCUMULATION[dtype]).eps
+    freqs = spec.round_to(spec.inv_freq(theta, denom, active, np.arange(min(half, D))), "float64")  # Lean's, denom = 0 too
     for i in range(min(half, D)):
         j = i + half
-        w = theta ** (-(2 * i / denom)) if i < active else 0.0
+        w = float(freqs[i])
         angle = np.abs(np.asarray(pos, dtype=np.float64) * w)
         partner = x[..., j] if j < D else 0.0
         r = np.hypot(x[..., i], partner)
         scale[..., i] = r
-        angle_error[..., i] = r * u_acc * angle * (2 + tau(dtype) + (abs(math.log(w)) if w else 0.0))
+        angle_error[..., i] = r * u_acc * angle * (2 + tau(dtype) + (abs(math.log(abs(w))) if w else 0.0))
         if j < D:
             scale[..., j], angle_error[..., j] = r, angle_error[..., i]
     return scale, angle_error + product_flush(dtype, scale, 1.0) * 2

@@ -5,6 +5,7 @@ Each accepts a scalar or an array and applies elementwise.
 
 from mpmath import mp
 
+from . import real
 from .exact import elementwise, oracle
 
 
@@ -35,5 +36,5 @@ def gelu_tanh(x):
 
 @oracle
 def softcap(c, x):
-    """``softcap c x = c * tanh(x / c)``"""
-    return elementwise(lambda t: c * mp.tanh(t / c), x)
+    """``softcap c x = c * tanh(x / c)``, Lean's division: c = 0 gives 0."""
+    return elementwise(lambda t: c * mp.tanh(real.div(t, c)), x)

@@ -150,7 +150,7 @@ def _mean_square_root(w: _Work, eps, x, mean: bool):
     H = x.shape[-1]
     with np.errstate(invalid="ignore", divide="ignore"):
         s = np.where(squares > 0, rad / squares, np.where(rad > 0, np.inf, 0))
-        total = (squares / H if mean else squares) + eps
+        total = (squares / H if mean and H else squares) + eps  # H = 0: the empty sum 0, and Lean's 0 / 0 = 0
         rel = (s + 2 * w.u) / 2 + w.u
     if np.any(total == 0):
         raise NotEnclosed("a zero norm (Lean's x / 0 = 0, the oracle's definition)")
@@ -169,19 +169,19 @@ def _normalised(w: _Work, eps, x, mean=True):
     return w.array(x) / r[..., None], rel[..., None] + w.u
 
 
-def rmsnorm(eps, x, w_, *, work):
-    w = _Work(work)
-    n, rel = _normalised(w, eps, x)
-    y = n * w.array(w_)
-    return y, w.rad(y, rel + w.u)
+def rmsnorm(eps, x, w, *, work):
+    fp = _Work(work)
+    n, rel = _normalised(fp, eps, x)
+    y = n * fp.array(w)
+    return y, fp.rad(y, rel + fp.u)
 
 
-def rmsnorm_offset(eps, x, w_, *, work):
+def rmsnorm_offset(eps, x, w, *, work):
     """(1 + w) rounds once (u, relative to itself whatever the cancellation), the product (u)."""
-    w = _Work(work)
-    n, rel = _normalised(w, eps, x)
-    y = n * (1 + w.array(w_))
-    return y, w.rad(y, rel + 2 * w.u)
+    fp = _Work(work)
+    n, rel = _normalised(fp, eps, x)
+    y = n * (1 + fp.array(w))
+    return y, fp.rad(y, rel + 2 * fp.u)
 
 
 def rmsnorm_unit(eps, x, *, work):
@@ -190,15 +190,15 @@ def rmsnorm_unit(eps, x, *, work):
     return y, w.rad(y, rel)
 
 
-def rmsnorm_gated(eps, x, z, w_, *, work):
+def rmsnorm_gated(eps, x, z, w, *, work):
     """w (x / rms) silu(z): silu's relative error and absolute part, two more roundings."""
-    w = _Work(work)
-    n, rel = _normalised(w, eps, x)
-    z = w.array(z)
-    s, rel_s = _sigmoid(w, z)
-    weighted = w.array(w_) * n
+    fp = _Work(work)
+    n, rel = _normalised(fp, eps, x)
+    z = fp.array(z)
+    s, rel_s = _sigmoid(fp, z)
+    weighted = fp.array(w) * n
     y = weighted * (z * s)
-    return y, w.rad(y, rel + rel_s + 3 * w.u, 2 * w.tiny * np.abs(weighted) * (1 + np.abs(z)))
+    return y, fp.rad(y, rel + rel_s + 3 * fp.u, 2 * fp.tiny * np.abs(weighted) * (1 + np.abs(z)))
 
 
 def l2norm(eps, x, *, work):

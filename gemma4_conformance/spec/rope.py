@@ -3,6 +3,7 @@
 import numpy as np
 from mpmath import mp
 
+from . import real
 from .exact import elementwise, oracle
 
 
@@ -10,9 +11,10 @@ from .exact import elementwise, oracle
 def inv_freq(theta, denom, active, i):
     """``invFreq theta denom active i := if i < active then theta ^ (-(2 * (i : ℝ) / denom)) else 0``
 
-    ``i`` is an integer or an integer array; the result has its shape.
+    ``i`` is an integer or an integer array; the result has its shape.  Division and power are Lean's
+    (``real``): denom = 0 gives ``theta ^ (-0) = 1``.
     """
-    return elementwise(lambda j: mp.power(theta, -(2 * mp.mpf(int(j)) / denom)) if j < active else mp.zero,
+    return elementwise(lambda j: real.rpow(theta, -real.div(2 * mp.mpf(int(j)), denom)) if j < active else mp.zero,
                        np.asarray(i, dtype=object))
 
 
