@@ -14,7 +14,7 @@ import pytest
 from gemma4_conformance import report
 from gemma4_conformance.properties.budget import budget
 from gemma4_conformance.properties.deviations import Deviation
-from gemma4_conformance.properties.serving import FACTOR as SERVING_FACTOR
+from gemma4_conformance.properties.forward import ACCUMULATED
 from gemma4_conformance.properties.serving import Position, ServingRecord
 from gemma4_conformance.properties.trace import NodeVerdict, TraceVerdict
 from gemma4_conformance.report.__main__ import main
@@ -225,7 +225,7 @@ def test_a_serving_entry_has_what_was_checked_the_worst_row_and_the_failing_feat
                              "decode": True, "schedule": SCHEDULE}
     assert fp32["failing"] == 3 and fp32["failing_features"]["chunking"] == 3 and fp32["features"] == [
         "chunking", "wrap-around"]
-    assert fp32["case"] == SCHEDULE and fp32["rerun"] == SERVING_COMMAND and fp32["factor"] == SERVING_FACTOR == 9.0
+    assert fp32["case"] == SCHEDULE and fp32["rerun"] == SERVING_COMMAND and fp32["factor"] == ACCUMULATED == 9.0
     assert bf16["case"] is None and bf16["rerun"] == "" and bf16["message"] == ""
 
 
