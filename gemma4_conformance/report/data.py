@@ -1,9 +1,7 @@
-"""The report document: one conformance run as a plain, JSON-able, versioned dict.
+"""The report document: one conformance run as a plain, JSON-able dict, validated against report/schema.py.
 
 ``document(recorder, environment())`` builds it from the pytest plugin's ``Recorder``; ``dump`` writes it
-as JSON and ``load`` reads one back, checking its schema.  The HTML page (``report.html``) is rendered
-from documents only, so reports written on other machines, by other backends or by other versions of
-the suite can be merged into one page.  Its schema, field by field: report/schema.py.
+as JSON and ``load`` reads one back.  Why a page is rendered from documents only: docs/report.md.
 """
 
 from __future__ import annotations
@@ -94,6 +92,7 @@ def _jsonable(value):
 
 
 def _histogram(values) -> list:
+    """``values`` to 4 significant digits; above HISTOGRAM_CAP, that many evenly spaced order statistics."""
     values = [float(v) for v in values]
     if len(values) > HISTOGRAM_CAP:
         ordered = np.sort(np.asarray(values))
@@ -188,6 +187,7 @@ def _local(verdict) -> dict | None:
 
 
 def _node(n) -> dict:
+    """A trace node (``properties.trace.NodeVerdict``) as the document holds it."""
     return {"node": n.node, "op": n.op, "outcome": n.outcome, "error": encode(n.error),
             "budget": encode(n.budget), "message": n.message, "informative": bool(n.informative)}
 
@@ -320,6 +320,7 @@ def _accelerators() -> list[str]:
 
 
 def _libraries() -> dict[str, str]:
+    """The installed versions of LIBRARIES (a module's ``__version__`` where the package has no metadata)."""
     versions = {}
     for name in LIBRARIES:
         try:
@@ -389,6 +390,7 @@ def dump(document: dict, path) -> Path:
 
 
 def _check_fields(entry, fields: dict, where: str, source: str) -> None:
+    """Raise ``ReportError`` unless ``entry`` has each field that ``fields`` (the schema's) requires, of its kind."""
     if not isinstance(entry, dict):
         raise ReportError(f"{source}: {where} is {type(entry).__name__}, expected an object")
     for key, field in fields.items():

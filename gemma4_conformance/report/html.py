@@ -47,38 +47,6 @@ def _labels(documents: list[dict], labels) -> list[str]:
             for i, label in enumerate(labels)]
 
 
-def _environment_rows(env: dict) -> list[tuple[str, str]]:
-    rows = []
-    for key, value in env.items():
-        if key == "backends":  # shown per backend (_backend_rows)
-            continue
-        if key == "libraries" and isinstance(value, dict):
-            value = ", ".join(f"{name} {version}" for name, version in value.items()) or "none found"
-        elif key == "accelerators" and isinstance(value, list):
-            value = ", ".join(map(str, value)) or "none seen"
-        elif not isinstance(value, str):
-            value = json.dumps(value)
-        rows.append((key.replace("_", " "), value))
-    return rows
-
-
-def _backend_rows(env: dict) -> list[dict]:
-    """Per backend of a document: where it ran and its math modes, one row each."""
-    tables = []
-    for backend, described in (env.get("backends") or {}).items():
-        if not isinstance(described, dict):
-            continue
-        rows = []
-        for key, value in described.items():
-            if key == "math_modes" and isinstance(value, dict):
-                rows.extend((f"math: {mode}", json.dumps(setting) if not isinstance(setting, str) else setting)
-                            for mode, setting in value.items())
-            else:
-                rows.append((key.replace("_", " "), value if isinstance(value, str) else json.dumps(value)))
-        tables.append({"backend": backend, "rows": rows})
-    return tables
-
-
 def setting(env: dict, backend: str) -> str:
     """Where ``backend`` ran and the math modes that decide its verdicts, in a line ("" when unknown)."""
     described = (env.get("backends") or {}).get(backend)
@@ -550,6 +518,39 @@ def trace_view(column: str, dtype: str, entry: dict, command) -> dict:
             "first": first and {**first, "error": shown(first["error"]), "budget": shown(first["budget"])},
             "rerun": command(entry["rerun"]), "rows": rows, "work": entry["work"],
             "open": entry["outcome"] == "failed"}
+
+
+def _environment_rows(env: dict) -> list[tuple[str, str]]:
+    """A document's environment, a (key, value as text) row per key; its backends are _backend_rows'."""
+    rows = []
+    for key, value in env.items():
+        if key == "backends":  # shown per backend (_backend_rows)
+            continue
+        if key == "libraries" and isinstance(value, dict):
+            value = ", ".join(f"{name} {version}" for name, version in value.items()) or "none found"
+        elif key == "accelerators" and isinstance(value, list):
+            value = ", ".join(map(str, value)) or "none seen"
+        elif not isinstance(value, str):
+            value = json.dumps(value)
+        rows.append((key.replace("_", " "), value))
+    return rows
+
+
+def _backend_rows(env: dict) -> list[dict]:
+    """Per backend of a document: where it ran and its math modes, one row each."""
+    tables = []
+    for backend, described in (env.get("backends") or {}).items():
+        if not isinstance(described, dict):
+            continue
+        rows = []
+        for key, value in described.items():
+            if key == "math_modes" and isinstance(value, dict):
+                rows.extend((f"math: {mode}", json.dumps(setting) if not isinstance(setting, str) else setting)
+                            for mode, setting in value.items())
+            else:
+                rows.append((key.replace("_", " "), value if isinstance(value, str) else json.dumps(value)))
+        tables.append({"backend": backend, "rows": rows})
+    return tables
 
 
 def environment_section(page: Page) -> dict:
