@@ -140,8 +140,6 @@ def _in_order(entries: dict[tuple, dict]) -> list[tuple[tuple, dict]]:
     return sorted(entries.items(), key=lambda kv: (kv[0][0], kv[0][1], dtype_rank(kv[0][2])))
 
 
-
-
 # ----------------------------------------------------------------------------------------- the sections
 
 def broken_section(page: Page) -> dict:
