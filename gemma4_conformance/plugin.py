@@ -93,7 +93,7 @@ def pytest_addoption(parser):
                     help="where to write the HTML tolerance report (default: reports/conformance.html; "
                          "'' for none)")
     group.addoption("--report-json", default=None,
-                    help="also write the run's results as JSON (versioned schema; see report/data.py)")
+                    help="also write the run's results as JSON (versioned schema; docs/report.md, from report/schema.py)")
     group.addoption("--weights", default=None,
                     help="a Gemma 4 checkpoint folder (config.json and safetensors) for the full forward; "
                          "default: a checkpoint the suite generates in the real layout")

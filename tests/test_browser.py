@@ -21,7 +21,7 @@ import pytest
 from PIL import Image  # installed with matplotlib
 
 from gemma4_conformance import report
-from gemma4_conformance.report.html import COLOURS
+from gemma4_conformance.report.formatting import COLOURS
 from tests.test_report import ROPE_COMMAND, make_document
 
 BACKENDS = ("numpy", "torch", "jax")

@@ -26,12 +26,14 @@ from pathlib import Path
 
 import pytest
 
+from gemma4_conformance.report import schema
 from gemma4_conformance.spec import CONTRACT, OP_NAMES
 from tests.test_usage_errors import server
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CI_RECIPE = "<!-- ci-recipe"
+SCHEMA_START, SCHEMA_END = "<!-- schema: generated", "<!-- end schema -->"  # docs/report.md's generated part
 SETUP = ("python3 -m venv", ". ", "pip uninstall")
 # The usage errors of a command that is right on a machine with that engine or device.
 ELSEWHERE = re.compile(r"which is not installed here|sees 0 \w+ devices|JAX sees 0")
@@ -126,3 +128,11 @@ def test_the_readme_shows_the_commands_ci_runs():
 def test_the_readmes_list_of_ops_is_the_contracts():
     listed = re.findall(r"`(\w+)\(([\w, ]*)\)`", (ROOT / "README.md").read_text())
     assert listed == [(op, ", ".join(a.name for a in CONTRACT[op].args)) for op in OP_NAMES]
+
+
+def test_the_report_pages_schema_is_generated_from_the_schemas_fields():
+    text = (ROOT / "docs" / "report.md").read_text(encoding="utf-8")
+    start = text.index("\n", text.index(SCHEMA_START)) + 1
+    assert text[start:text.index(SCHEMA_END)] == schema.markdown(), (
+        "docs/report.md's schema is stale: replace the text between its schema markers with the output of "
+        "python -c 'from gemma4_conformance.report.schema import markdown; print(markdown(), end=\"\")'")

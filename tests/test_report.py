@@ -15,8 +15,10 @@ from gemma4_conformance import report
 from gemma4_conformance.properties.budget import budget
 from gemma4_conformance.properties.deviations import Deviation
 from gemma4_conformance.properties.forward import ACCUMULATED
+from gemma4_conformance.properties.invariance import Difference, InvarianceRecord, OpInvarianceRecord
 from gemma4_conformance.properties.serving import Position, ServingRecord
 from gemma4_conformance.properties.trace import NodeVerdict, TraceVerdict
+from gemma4_conformance.report import data, schema
 from gemma4_conformance.report.__main__ import main
 from gemma4_conformance.report.record import Problem, Recorder
 
@@ -162,6 +164,27 @@ def test_a_result_entry_carries_the_measurements_budget_and_rerun(doc):
     assert [(r["dtype"], r["op"]) for r in doc["results"]] == [
         ("float32", "sigmoid"), ("float32", "silu"), ("float32", "softcap"), ("float32", "rope"),
         ("bfloat16", "rmsnorm_unit"), ("bfloat16", "rope"), ("bfloat16", "linear"), ("bfloat16", "softmax")]
+
+
+def test_the_schema_names_every_field_a_document_carries(doc):
+    """report/schema.py is where a field is described: a document has no field it lacks, nor lacks one it requires."""
+    invariance = InvarianceRecord("torch", "float32", "batch", claimed=True, outcome="failed", schedules=2, rows=14,
+                                  differing=3, worst=Difference(0, 10, 3, 1.5e4, "against alone", SCHEDULE))
+    ops = OpInvarianceRecord("torch", "float32", "linear", 2, 36, 4, 9.0, "layers.0.q: rows 0..0 alone")
+    doc = {**doc, "invariance": [data.invariance_entry(invariance)], "op_invariance": [data.op_invariance_entry(ops)]}
+    assert set(doc) == set(schema.DOCUMENT_FIELDS)
+    assert set(doc["environment"]) - {"label"} <= set(schema.ENVIRONMENT_FIELDS)  # label: an extra key given
+    for key, fields in (("results", schema.RESULT_FIELDS), ("relations", schema.RELATION_FIELDS),
+                        ("forward", schema.FORWARD_FIELDS), ("traces", schema.TRACE_FIELDS),
+                        ("serving", schema.SERVING_FIELDS), ("invariance", schema.INVARIANCE_FIELDS),
+                        ("op_invariance", schema.OP_INVARIANCE_FIELDS), ("problems", schema.PROBLEM_FIELDS),
+                        ("deviations", schema.DEVIATION_FIELDS)):
+        assert doc[key], key
+        required = {name for name, field in fields.items() if field.kind is not None}
+        for entry in doc[key]:
+            assert required <= set(entry) <= set(fields), key
+    for node in doc["traces"][0]["nodes"]:
+        assert set(node) == set(schema.NODE_FIELDS)
 
 
 def test_the_worst_example_is_the_one_nearest_its_budget_not_the_largest_error():

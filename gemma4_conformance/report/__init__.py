@@ -1,6 +1,6 @@
 """Conformance reports: a run's results as a versioned JSON document, and as one self-contained HTML page.
 
-    doc = report.document(recorder, report.environment())   # the document (schema: report/data.py)
+    doc = report.document(recorder, report.environment())   # the document (schema: report/schema.py)
     report.dump(doc, "reports/torch.json")                   # JSON, read back by report.load()
     report.write_html("reports/conformance.html", [doc])      # the page; several documents side by side
 
@@ -15,8 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from .data import (
-    SCHEMA,
-    VERSION,
     ReportError,
     device_line,
     document,
@@ -26,6 +24,7 @@ from .data import (
     number,
     validate,
 )
+from .schema import SCHEMA, VERSION
 
 __all__ = ["SCHEMA", "VERSION", "ReportError", "device_line", "document", "dump", "environment", "load", "number", "render",
            "validate", "write_html"]

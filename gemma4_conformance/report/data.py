@@ -1,9 +1,7 @@
-"""The report document: one conformance run as a plain, JSON-able, versioned dict.
+"""The report document: one conformance run as a plain, JSON-able dict, validated against report/schema.py.
 
 ``document(recorder, environment())`` builds it from the pytest plugin's ``Recorder``; ``dump`` writes it
-as JSON and ``load`` reads one back, checking its schema.  The HTML page (``report.html``) is rendered
-from documents only, so reports written on other machines, by other backends or by other versions of
-the suite can be merged into one page.  The schema, field by field: docs/report.md.
+as JSON and ``load`` reads one back.  Why a page is rendered from documents only: docs/report.md.
 """
 
 from __future__ import annotations
@@ -22,52 +20,30 @@ import numpy as np
 from gemma4_conformance.adapters import DTYPES
 from gemma4_conformance.properties.budget import budget
 from gemma4_conformance.properties.forward import ACCUMULATED, FACTOR, FLOOR
-from .record import reported
 from gemma4_conformance.spec import CONTRACT, format_of
 
-SCHEMA = "gemma4-conformance-report"
-VERSION = 5
-HISTOGRAM_CAP = 500
-OUTCOMES = ("passed", "failed", "known deviation", "errored", "not established", "unsupported", "not run")
-LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "transformers", "ml_dtypes", "mpmath", "hypothesis")
+from .record import reported
+from .schema import (
+    DEVIATION_FIELDS,
+    DOCUMENT_FIELDS,
+    FORWARD_FIELDS,
+    HISTOGRAM_CAP,
+    INVARIANCE_FIELDS,
+    INVARIANCE_OUTCOMES,
+    LIBRARIES,
+    NODE_FIELDS,
+    NODE_OUTCOMES,
+    OP_INVARIANCE_FIELDS,
+    OUTCOMES,
+    PROBLEM_FIELDS,
+    RELATION_FIELDS,
+    RESULT_FIELDS,
+    SCHEMA,
+    SERVING_FIELDS,
+    TRACE_FIELDS,
+    VERSION,
+)
 
-RESULT_FIELDS = {
-    "backend": str, "dtype": str, "op": str, "outcome": str, "examples": int, "informative": int, "worst_ulps": "number",
-    "budget_ulps": "number", "headroom": "number", "max_ulps": "number", "p99_ulps": "number", "median_ulps": "number",
-    "budget_formula": str, "error_model": str, "worst_case": (dict, type(None)),
-    "rerun": str, "message": str, "histogram": list, "deviation": str,
-}
-RELATION_FIELDS = {
-    "backend": str, "dtype": str, "relation": str, "ops": list, "outcome": str, "examples": int, "message": str,
-    "rerun": str, "deviation": str,
-}
-PROBLEM_FIELDS = {"test": str, "phase": str, "message": str}
-DEVIATION_FIELDS = {"backend": str, "op": str, "dtype": str, "reason": str, "file": str, "status": str,
-                    "tests": list}
-FORWARD_FIELDS = {
-    "backend": str, "dtype": str, "outcome": str, "layers": dict, "logits": dict, "top1_agreement": "number",
-    "logprob_gap": dict, "local": (dict, type(None)), "factor": "number", "accumulated_factor": "number",
-    "floor": "number", "failures": list, "rerun": str, "deviation": str,
-}
-TRACE_FIELDS = {
-    "backend": str, "dtype": str, "outcome": str, "summary": str, "first_departure": (dict, type(None)),
-    "work": int, "layers": list, "nodes": list, "failures": list, "rerun": str, "deviation": str,
-}
-NODE_FIELDS = {"node": str, "op": str, "outcome": str, "error": "number", "budget": "number", "message": str,
-               "informative": bool}
-NODE_OUTCOMES = ("passed", "failed", "not traced", "inputs not traced")
-SERVING_FIELDS = {
-    "backend": str, "dtype": str, "outcome": str, "schedules": int, "sequences": int, "steps": int, "tokens": int,
-    "worst": (dict, type(None)), "factor": "number", "floor": "number", "failing": int, "failing_features": dict,
-    "case": (dict, type(None)), "features": list, "message": str, "rerun": str, "deviation": str,
-}
-INVARIANCE_FIELDS = {
-    "backend": str, "dtype": str, "relation": str, "claimed": bool, "outcome": str, "schedules": int, "rows": int,
-    "differing": int, "worst": (dict, type(None)), "message": str, "rerun": str,
-}
-INVARIANCE_OUTCOMES = ("held", "varies", "failed", "errored", "unsupported", "not run")
-OP_INVARIANCE_FIELDS = {"backend": str, "dtype": str, "op": str, "nodes": int, "rows": int, "differing": int,
-                        "ulps": "number", "where": str}
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
@@ -115,6 +91,7 @@ def _jsonable(value):
 
 
 def _histogram(values) -> list:
+    """``values`` to 4 significant digits; above HISTOGRAM_CAP, that many evenly spaced order statistics."""
     values = [float(v) for v in values]
     if len(values) > HISTOGRAM_CAP:
         ordered = np.sort(np.asarray(values))
@@ -123,7 +100,7 @@ def _histogram(values) -> list:
 
 
 def result_entry(record, excused: dict | None = None) -> dict:
-    """One ``results`` entry from a ``properties.record.OpRecord``; ``excused`` maps (backend, dtype, op)
+    """One ``results`` entry from a ``report.record.OpRecord``; ``excused`` maps (backend, dtype, op)
     to the reason of the known deviation that covers it."""
     measured = bool(record.per_example)
     b = budget(record.op, record.dtype)
@@ -155,7 +132,7 @@ def result_entry(record, excused: dict | None = None) -> dict:
 
 
 def relation_entry(record, excused: dict | None = None) -> dict:
-    """One ``relations`` entry from a ``properties.record.RelationRecord``."""
+    """One ``relations`` entry from a ``report.record.RelationRecord``."""
     deviation = (excused or {}).get((record.backend, record.dtype, record.relation), "")
     return {
         "backend": record.backend,
@@ -209,6 +186,7 @@ def _local(verdict) -> dict | None:
 
 
 def _node(n) -> dict:
+    """A trace node (``properties.trace.NodeVerdict``) as the document holds it."""
     return {"node": n.node, "op": n.op, "outcome": n.outcome, "error": encode(n.error),
             "budget": encode(n.budget), "message": n.message, "informative": bool(n.informative)}
 
@@ -276,7 +254,7 @@ def op_invariance_entry(record) -> dict:
 
 
 def document(recorder, env: dict | None = None, deviations=()) -> dict:
-    """The report document of a run: ``recorder`` is the plugin's ``properties.record.Recorder``;
+    """The report document of a run: ``recorder`` is the plugin's ``report.record.Recorder``;
     ``env`` is ``environment()``'s dict (collected now when None); ``deviations`` the
     known-deviations entries (``properties.deviations.Deviation``) the run was given."""
     ops = list(CONTRACT)
@@ -341,6 +319,7 @@ def _accelerators() -> list[str]:
 
 
 def _libraries() -> dict[str, str]:
+    """The installed versions of LIBRARIES (a module's ``__version__`` where the package has no metadata)."""
     versions = {}
     for name in LIBRARIES:
         try:
@@ -353,7 +332,7 @@ def _libraries() -> dict[str, str]:
 
 
 def backend_environment(adapter) -> dict:
-    """Where ``adapter`` ran and the math modes in force (``backends`` in the schema above)."""
+    """Where ``adapter`` ran and the math modes in force (the environment's ``backends`` in report/schema.py)."""
     env = {}
     if hasattr(adapter, "environment"):
         try:
@@ -375,7 +354,7 @@ def device_line(adapter) -> str:
 
 
 def environment(backends=None, **extra) -> dict:
-    """Where and with what this process runs (see the schema above); ``backends`` are the run's adapters,
+    """Where and with what this process runs (the schema's ENVIRONMENT_FIELDS); ``backends`` are the run's adapters,
     each described under ``backends``; ``extra`` keys are added as given."""
     try:
         suite = metadata.version("gemma4-conformance")
@@ -410,9 +389,13 @@ def dump(document: dict, path) -> Path:
 
 
 def _check_fields(entry, fields: dict, where: str, source: str) -> None:
+    """Raise ``ReportError`` unless ``entry`` has each field that ``fields`` (the schema's) requires, of its kind."""
     if not isinstance(entry, dict):
         raise ReportError(f"{source}: {where} is {type(entry).__name__}, expected an object")
-    for key, kind in fields.items():
+    for key, field in fields.items():
+        kind = field.kind
+        if kind is None:  # not required
+            continue
         if key not in entry:
             raise ReportError(f"{source}: {where} lacks the field {key!r}")
         value = entry[key]
@@ -441,8 +424,7 @@ def validate(document, source: str = "<document>") -> dict:
         newer = "newer than" if version > VERSION else "older than"
         raise ReportError(f"{source}: report schema version {version} is {newer} the version this suite reads "
                           f"({VERSION}); render it with the gemma4-conformance that wrote it")
-    for key, kind in (("environment", dict), ("results", list), ("relations", list), ("forward", list),
-                      ("traces", list), ("serving", list), ("problems", list), ("deviations", list)):
+    for key, kind in ((key, field.kind) for key, field in DOCUMENT_FIELDS.items() if field.kind in (dict, list)):
         if not isinstance(document.get(key), kind):
             raise ReportError(f"{source}: \"{key}\" is missing or not an {'object' if kind is dict else 'array'}")
     for i, entry in enumerate(document["results"]):
