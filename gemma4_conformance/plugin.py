@@ -36,7 +36,7 @@ from gemma4_conformance.properties.deviations import (
 )
 from gemma4_conformance.properties.record import Problem, Recorder, UnsupportedSkip
 from gemma4_conformance.properties.relations import RELATIONS
-from gemma4_conformance.properties.strategies import build
+from gemma4_conformance.properties.table import build
 from gemma4_conformance.spec import OP_NAMES
 
 # Its trace-file options (--judge-traces, --record-traces) and their hooks live in their own module.

@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from gemma4_conformance import adapters, spec
 from gemma4_conformance.spec import format_of, round_to
 from gemma4_conformance.properties.judging import assess, call, correctly_rounded, printed
-from gemma4_conformance.properties.strategies import build, cases, edge_cases
-from gemma4_conformance.properties.table import OPS
+from gemma4_conformance.properties.table import OPS, build, cases, edge_cases
 
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 

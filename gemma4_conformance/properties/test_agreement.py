@@ -7,9 +7,8 @@ from hypothesis import currently_in_test_context, given, target
 from hypothesis import strategies as st
 
 from .judging import ContractViolation, Unsupported, judge, rerun_command
-from .real_size import real_size_cases
 from .record import MIN_INFORMATIVE, UnsupportedSkip
-from .strategies import cases, edge_cases
+from .table import cases, edge_cases, real_size_cases
 
 
 def check(request, backend, adapter, dtype, op, case):
