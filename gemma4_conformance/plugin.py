@@ -35,7 +35,7 @@ from gemma4_conformance.properties.deviations import (
     subject,
 )
 from gemma4_conformance.properties.relations import RELATIONS
-from gemma4_conformance.properties.strategies import build
+from gemma4_conformance.properties.table import build
 from gemma4_conformance.report.record import Problem, Recorder, UnsupportedSkip
 from gemma4_conformance.spec import OP_NAMES
 

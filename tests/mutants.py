@@ -380,8 +380,8 @@ def decode_gqa_newest_key_masked(scale, q, k, v):
 
 def _attention_args(op, args):
     """(scale, visible [S, L], q [S, Hkv, G, D], k, v) of an attention op's arguments."""
-    from gemma4_conformance.properties.error_models import attention_inputs
-    return attention_inputs(op, args)
+    from gemma4_conformance.properties.table import OPS
+    return OPS[op].attention(args)
 
 
 def _attention_mutant(op, name, body):

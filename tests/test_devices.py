@@ -18,7 +18,7 @@ from gemma4_conformance import adapters, report
 from gemma4_conformance.adapters import torch_sdpa
 from gemma4_conformance.adapters.torch_backend import TorchAdapter
 from gemma4_conformance.properties.judging import judge, rerun_command
-from gemma4_conformance.properties.strategies import cases, edge_cases
+from gemma4_conformance.properties.table import cases, edge_cases
 
 from .test_plugin import suite
 

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 
 from gemma4_conformance import spec
 from gemma4_conformance.spec import enclosures, format_of
-from gemma4_conformance.properties.strategies import build, cases, edge_cases
-from gemma4_conformance.properties.table import OPS
+from gemma4_conformance.properties.table import OPS, build, cases, edge_cases
 
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 ENCLOSED = sorted(enclosures.ENCLOSURES)

@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from gemma4_conformance import adapters, spec
 from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.properties.judging import assess, correctly_rounded, printed
-from gemma4_conformance.properties.strategies import build, cases, edge_cases
-from gemma4_conformance.properties.table import OPS
+from gemma4_conformance.properties.table import OPS, build, cases, edge_cases
 from gemma4_conformance.spec import format_of, round_to
 
 DTYPES = ("bfloat16", "float16", "float32", "float64")

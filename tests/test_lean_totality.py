@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gemma4_conformance import spec
-from gemma4_conformance.properties.strategies import build
+from gemma4_conformance.properties.table import build
 from tests.test_enclosures import assert_encloses
 from tests.test_usage_errors import BASE, server
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings, target
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.properties.judging import case_json, judge
-from gemma4_conformance.properties.strategies import cases, edge_cases
+from gemma4_conformance.properties.table import cases, edge_cases
 from gemma4_conformance.spec import OP_NAMES
 from tests import mutants as m
 

@@ -18,7 +18,7 @@ from gemma4_conformance import adapters
 from gemma4_conformance.adapters import DTYPES, numpy_backend
 from gemma4_conformance.properties.judging import assess, case_json, judge
 from gemma4_conformance.properties.relations import RELATIONS
-from gemma4_conformance.properties.strategies import build, cases, edge_cases
+from gemma4_conformance.properties.table import build, cases, edge_cases
 from gemma4_conformance.report.record import MIN_INFORMATIVE
 from gemma4_conformance.spec import OP_NAMES
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from gemma4_conformance.adapters import DTYPES, available_builtins
 from gemma4_conformance.properties.relations import _rope_pairs
-from gemma4_conformance.properties.strategies import build
+from gemma4_conformance.properties.table import build
 from gemma4_conformance.spec import OP_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent

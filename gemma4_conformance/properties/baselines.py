@@ -26,7 +26,7 @@ import numpy as np
 from gemma4_conformance.spec import format_of
 
 from .budget import ACCUMULATION
-from .error_models import attention_inputs
+from .error_models import AttentionInputs
 
 SCALE_AT = ("product", "accumulated", "query", "split")
 SOFTMAX_IN = ("dtype", "accumulation")
@@ -71,8 +71,9 @@ def attention(scale, visible, q, k, v, dtype, scale_at: str, softmax_in: str) ->
     return out.astype(np.float64)
 
 
-def arrangements(op: str, args: tuple, dtype: str) -> list[np.ndarray]:
-    """The op's output under every plain arrangement, in the op's output shape (float64)."""
-    scale, visible, q, k, v = attention_inputs(op, args)
-    outs = [attention(scale, visible, q, k, v, dtype, at, where) for at, where in itertools.product(SCALE_AT, SOFTMAX_IN)]
-    return [o[0] for o in outs] if op == "decode_gqa" else outs
+def arrangements(inputs: AttentionInputs, args: tuple, dtype: str) -> list[np.ndarray]:
+    """The output of the op whose arguments ``inputs`` reads under every plain arrangement, in the op's
+    output shape (float64)."""
+    scale, visible, q, k, v = inputs(args)
+    return [inputs.output(attention(scale, visible, q, k, v, dtype, at, where))
+            for at, where in itertools.product(SCALE_AT, SOFTMAX_IN)]

@@ -123,4 +123,4 @@ def _budget(path: Path, where: str, op: str, dtype: str, entry: dict) -> Budget:
 
 
 def budget(op: str, dtype: str) -> Budget:
-    return load_budgets()[op, dtype]
+    return load_budgets(TOLERANCES_PATH)[op, dtype]

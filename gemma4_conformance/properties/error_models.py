@@ -29,6 +29,8 @@ and the dtype name.  The derivations are in tolerances.yaml.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -334,29 +336,52 @@ def _attention_in_accumulation(scale, visible, q, k, v, dtype):
     return pv, format_of(ACCUMULATION[dtype]).eps * in_accumulation + flush
 
 
-def attention_inputs(op, args):
-    """(scale, visible [S, L], q [S, Hkv, G, D], k, v) of an attention op; decode is one query at L - 1."""
-    if op == "decode_gqa":
-        scale, q, k, v = args
-        return scale, np.ones((1, k.shape[0]), dtype=bool), q[None], k, v
-    keys = np.arange(args[-2].shape[0])[None, :]
-    if op == "causal_gqa":
-        scale, pos, q, k, v = args
-        return scale, keys <= np.asarray(pos)[:, None], q, k, v
+@dataclass(frozen=True)
+class AttentionInputs:
+    """How an attention op's arguments read as (scale, visible [S, L], q [S, Hkv, G, D], k, v), and
+    its output as [S, Hkv, G, D]: decode is one query at L - 1, its output that query's."""
+
+    read: Callable  # args -> (scale, visible, q, k, v)
+    one_query: bool = False
+
+    def __call__(self, args):
+        return self.read(args)
+
+    def output(self, queries):
+        """The op's output from its queries' [S, Hkv, G, D]."""
+        return queries[0] if self.one_query else queries
+
+
+def _causal(args):
+    scale, pos, q, k, v = args
+    return scale, np.arange(k.shape[0])[None, :] <= np.asarray(pos)[:, None], q, k, v
+
+
+def _sliding(args):
     scale, window, pos, q, k, v = args
-    pos = np.asarray(pos)[:, None]
+    keys, pos = np.arange(k.shape[0])[None, :], np.asarray(pos)[:, None]
     return scale, (keys <= pos) & (pos < keys + window), q, k, v
 
 
-def _per_op(model, op):
-    def error_model(args, exact, dtype):
-        scale, absolute = model(*attention_inputs(op, args), dtype)
-        return (scale[0], absolute[0]) if op == "decode_gqa" else (scale, absolute)
+def _decode(args):
+    scale, q, k, v = args
+    return scale, np.ones((1, k.shape[0]), dtype=bool), q[None], k, v
 
-    error_model.__name__ = f"{op}_{model.__name__.strip('_')}"
+
+CAUSAL, SLIDING = AttentionInputs(_causal), AttentionInputs(_sliding)
+DECODE = AttentionInputs(_decode, one_query=True)
+
+
+def _per_op(model, inputs, name):
+    def error_model(args, exact, dtype):
+        scale, absolute = model(*inputs(args), dtype)
+        return inputs.output(scale), inputs.output(absolute)
+
+    error_model.__name__ = f"{name}_{model.__name__.strip('_')}"
     return error_model
 
 
-causal_gqa, sliding_gqa, decode_gqa = (_per_op(_attention, op) for op in ("causal_gqa", "sliding_gqa", "decode_gqa"))
+_INPUTS = ((CAUSAL, "causal_gqa"), (SLIDING, "sliding_gqa"), (DECODE, "decode_gqa"))
+causal_gqa, sliding_gqa, decode_gqa = (_per_op(_attention, inputs, name) for inputs, name in _INPUTS)
 causal_gqa_in_accumulation, sliding_gqa_in_accumulation, decode_gqa_in_accumulation = (
-    _per_op(_attention_in_accumulation, op) for op in ("causal_gqa", "sliding_gqa", "decode_gqa"))
+    _per_op(_attention_in_accumulation, inputs, name) for inputs, name in _INPUTS)

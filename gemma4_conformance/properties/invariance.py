@@ -35,6 +35,7 @@ from gemma4_conformance.spec.formats import ulp_distance
 from gemma4_conformance.spec.model import forward
 
 from .serving import Documents, case_json, play
+from .table import OPS
 
 RELATIONS = INVARIANCE
 DESCRIPTIONS = {"run": "the same schedule played twice, in fresh sessions",
@@ -181,8 +182,6 @@ class InvarianceRecord:
 
 # How many nodes of each op a forward checks: the first ones (a layer of each kind holds every op).
 NODES_PER_OP = 2
-BLOCKS = (3, 8)  # the M of the linear family's extra blocks, beside 1 (each row alone) and all rows
-LINEAR_FAMILY = ("linear", "gate_up", "lm_head")
 
 
 @dataclass
@@ -221,7 +220,7 @@ class OpInvariance(AdapterOps):
         rowwise = _row_args(name)
         if record.nodes < NODES_PER_OP and any(rowwise) and len(out) > 1:
             record.nodes += 1
-            for M in (1, *(BLOCKS if name in LINEAR_FAMILY else ())):
+            for M in (1, *OPS[name].blocks):
                 for start in range(0, len(out), M):
                     rows = slice(start, min(start + M, len(out)))
                     self._compare(record, node, name, args, rowwise, out, rows, M)
@@ -229,7 +228,7 @@ class OpInvariance(AdapterOps):
 
     def _compare(self, record, node, name, args, rowwise, out, rows, M):
         part = [a[rows] if r else a for a, r in zip(args, rowwise)]
-        if name in ("causal_gqa", "sliding_gqa"):  # a forward's keys sit at positions 0..T-1: those it sees
+        if OPS[name].prefill:  # a forward's keys sit at positions 0..T-1: those it sees
             *head, pos, q, k, v = part
             part = [*head, pos, q, k[:pos.max() + 1], v[:pos.max() + 1]]
         alone = super().op(node, name, *part)

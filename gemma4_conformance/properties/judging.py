@@ -16,9 +16,7 @@ from gemma4_conformance.spec.exact import widen
 from gemma4_conformance.spec.formats import abs_error
 
 from .budget import budget
-from .error_models import attention_inputs
-from .strategies import build
-from .table import OPS, ORACLE_WORK
+from .table import OPS, ORACLE_WORK, build
 
 
 def _widened(args):
@@ -347,7 +345,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
             excess = np.maximum(distance(answer, sign) - t_absolute, 0.0) / t_unit
             return float(np.max(np.where(judged, excess, 0.0), initial=0.0))
 
-        plains = list(entry.baselines(op, args, dtype))
+        plains = list(entry.baselines(args, dtype))
         baseline = max(beyond(plain) for plain in plains)
         candidate = np.where(finite, got64, np.inf)
         tier2 = BaselineTier(beyond(candidate), baseline, b.tier2.ulps(**quantities) + b.factor * baseline)
@@ -398,13 +396,14 @@ def trivial_answers(op: str, args: tuple, exact: np.ndarray) -> dict[str, np.nda
     flipped for every op; for attention also the uniform average of the visible values (q.k ignored)
     and each query head zeroed."""
     answers = {"zeros": np.zeros_like(exact), "the sign flipped": -exact}
-    if op in ("causal_gqa", "sliding_gqa", "decode_gqa"):
-        scale, visible, q, k, v = attention_inputs(op, args)
+    inputs = OPS[op].attention
+    if inputs is not None:
+        scale, visible, q, k, v = inputs(args)
         counts = visible.sum(-1)
         mean = np.einsum("sl,lcd->scd", visible.astype(float), widen(v)) / np.maximum(counts, 1)[:, None, None]
         uniform = np.broadcast_to(mean[:, :, None, :], q.shape)
-        answers["uniform weights (q.k ignored)"] = uniform[0] if op == "decode_gqa" else uniform
-        heads = exact.reshape(-1, *exact.shape[-3:]) if op != "decode_gqa" else exact[None]
+        answers["uniform weights (q.k ignored)"] = inputs.output(uniform)
+        heads = exact.reshape(-1, *exact.shape[-3:])  # [S, Hkv, G, D], decode's one query too
         for c, g in np.ndindex(*heads.shape[1:3]):
             zeroed = heads.copy()
             zeroed[:, c, g] = 0.0

@@ -21,7 +21,7 @@ is what a kernel's size-dependent path changes.
 
 Values are normal at a unit scale (a sum of 15360 products stays far inside float16's range), and q
 and k at 2^-3 per coordinate, so that the logits' rounding in every dtype stays well inside the
-region where attention is well posed (strategies._attention), with the model's scale 1.
+region where attention is well posed (strategies.attention), with the model's scale 1.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ QUERY_ROWS = 4096  # a sliding layer's query projection: 16 heads of 256
 DOWN_ROWS = 1024  # of the down projection's 3840
 GATE_UP_ROWS = 2048  # of the intermediate width's 15360
 VOCAB_CHUNK = 2048  # rows of the tied embedding in one LM-head example
-NORMS = ("rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm")
 
 
 @cache
@@ -52,45 +51,64 @@ def _normal(shape, seed, log2=0):
 
 
 def _attention(op, layer, seed=10):
-    """q, k and v of one layer's geometry over KEYS keys; two prefill queries, in the middle and at the end."""
+    """q, k and v of one layer's geometry over KEYS keys; two prefill queries, in the middle and at the
+    end, where the op takes positions (decode: its one query)."""
     config = geometry()
     Hkv, D = layer.kv_heads, layer.head_dim
     G = config.num_heads // Hkv
+    names = CONTRACT[op].arg_names
     args = {"scale": 1.0, "k": _normal([KEYS, Hkv, D], seed + 1, -3), "v": _normal([KEYS, Hkv, D], seed + 2)}
-    if op == "decode_gqa":
+    if "pos" not in names:
         args["q"] = _normal([Hkv, G, D], seed, -3)
     else:
         args |= {"pos": [KEYS // 2 - 1, KEYS - 1], "q": _normal([2, Hkv, G, D], seed, -3)}
-    if op == "sliding_gqa":
+    if "window" in names:
         args["window"] = layer.window
-    return {"args": {name: args[name] for name in CONTRACT[op].arg_names}}
+    return {"args": {name: args[name] for name in names}}
 
 
-def real_size_cases(op: str) -> list[dict]:
-    """The cases at the real model's dimensions for ``op`` (none for the ops that do not accumulate)."""
-    config = geometry()
-    H, I = config.hidden_size, config.intermediate_size
-    full = next(layer for layer in config.layers if layer.kind == "full")
-    sliding = next(layer for layer in config.layers if layer.kind == "sliding")
-    if op == "linear":
-        return [{"args": {"W": _normal([QUERY_ROWS, H], 1), "x": _normal([2, H], 2)}, "cancel": None},
-                {"args": {"W": _normal([DOWN_ROWS, I], 3), "x": _normal([2, I], 4)}, "cancel": None}]
-    if op == "gate_up":
-        return [{"args": {"Wg": _normal([GATE_UP_ROWS, H], 5), "Wu": _normal([GATE_UP_ROWS, H], 6),
-                          "x": _normal([2, H], 7)}, "cancel": None}]
-    if op == "lm_head":
-        return [{"args": {"mul": 1.0, "cap": config.final_softcap, "W": _normal([VOCAB_CHUNK, H], 8),
-                          "x": _normal([2, H], 9)}, "cancel": None}]
-    if op in NORMS:
-        shapes = {"x": [2, H], "z": [2, H], "w": [H]}
-        floats = [a.name for a in CONTRACT[op].args if a.kind == "float"]
-        return [{"args": {"eps": config.eps, **{n: _normal(shapes[n], 20 + i) for i, n in enumerate(floats)}}}]
-    if op == "softmax":
-        return [{"args": {"s": _normal([2, KEYS], 30, 2), "visible": {"pattern": "all", "seed": 0}}, "offset": 0.0}]
-    if op == "causal_gqa":
-        return [_attention(op, full)]
-    if op == "sliding_gqa":
-        return [_attention(op, sliding)]
-    if op == "decode_gqa":
-        return [_attention(op, full)]
+# Each op's cases at the real model's dimensions (none for the ops that do not accumulate).
+
+def none(op: str) -> list[dict]:
     return []
+
+
+def linear(op: str) -> list[dict]:
+    H, I = geometry().hidden_size, geometry().intermediate_size
+    return [{"args": {"W": _normal([QUERY_ROWS, H], 1), "x": _normal([2, H], 2)}, "cancel": None},
+            {"args": {"W": _normal([DOWN_ROWS, I], 3), "x": _normal([2, I], 4)}, "cancel": None}]
+
+
+def gate_up(op: str) -> list[dict]:
+    H = geometry().hidden_size
+    return [{"args": {"Wg": _normal([GATE_UP_ROWS, H], 5), "Wu": _normal([GATE_UP_ROWS, H], 6),
+                      "x": _normal([2, H], 7)}, "cancel": None}]
+
+
+def lm_head(op: str) -> list[dict]:
+    config = geometry()
+    H = config.hidden_size
+    return [{"args": {"mul": 1.0, "cap": config.final_softcap, "W": _normal([VOCAB_CHUNK, H], 8),
+                      "x": _normal([2, H], 9)}, "cancel": None}]
+
+
+def norm(op: str) -> list[dict]:
+    config = geometry()
+    H = config.hidden_size
+    shapes = {"x": [2, H], "z": [2, H], "w": [H]}
+    floats = [a.name for a in CONTRACT[op].args if a.kind == "float"]
+    return [{"args": {"eps": config.eps, **{n: _normal(shapes[n], 20 + i) for i, n in enumerate(floats)}}}]
+
+
+def softmax(op: str) -> list[dict]:
+    return [{"args": {"s": _normal([2, KEYS], 30, 2), "visible": {"pattern": "all", "seed": 0}}, "offset": 0.0}]
+
+
+def full_attention(op: str) -> list[dict]:
+    """At a full layer's geometry."""
+    return [_attention(op, next(layer for layer in geometry().layers if layer.kind == "full"))]
+
+
+def sliding_attention(op: str) -> list[dict]:
+    """At a sliding layer's geometry, window included."""
+    return [_attention(op, next(layer for layer in geometry().layers if layer.kind == "sliding"))]

@@ -20,8 +20,7 @@ from gemma4_conformance.spec import CONTRACT, format_of, scale_ulp
 from gemma4_conformance.spec.exact import widen
 
 from .budget import ACCUMULATION, budget
-from .strategies import build, cases
-from .table import OPS
+from .table import OPS, build, cases
 
 
 @dataclass(frozen=True)
@@ -274,7 +273,7 @@ def _head_mapping(op):
         args[-1] = moved_v
         after = _f64(call(adapter, op, tuple(args), dtype))
         heads = np.arange(Hkv)
-        axis = 0 if op == "decode_gqa" else 1
+        axis = CONTRACT[op].out.split().index("Hkv")
         others = np.take(after, heads[heads != c], axis=axis), np.take(before, heads[heads != c], axis=axis)
         group_after = np.take(after, [c], axis=axis)
         moved = np.abs(group_after - np.take(before, [c], axis=axis)) >= M / 4

@@ -1,30 +1,35 @@
 """The op table: one entry per op, from which the agreement tests, the budgets and the report follow.
 
-An entry ties an op to its oracle (spec), its input strategy (strategies.cases), its error model's
-scale (error_models), its budget (tolerances.yaml) and its *sampler*, which picks the output
-coordinates the oracle computes.  Every drawn example, every real-size example and every op call
-of the generated model's forward is checked on its whole output: a sampler draws a subset (of rows,
-output features, queries or KV heads) only when the whole would cost more than ``work``, which
-happens for the 12B geometry's forward and for large ``--case`` inputs.
+An entry holds everything the suite knows about an op: its contract and oracle (spec), its cases (a
+Hypothesis strategy, edge cases, real-size cases and the preparation of its arguments: strategies,
+real_size), its error model's scale (error_models), its budget (tolerances.yaml, by the op's name) and
+its *sampler*, which picks the output coordinates the oracle computes.  Code outside the table reads
+an entry's fields and never asks which op it holds (tests/test_op_table.py).
+
+Every drawn example, every real-size example and every op call of the generated model's forward is
+checked on its whole output: a sampler draws a subset (of rows, output features, queries or KV
+heads) only when the whole would cost more than ``work``, which happens for the 12B geometry's
+forward and for large ``--case`` inputs.
 
 What an oracle costs is counted in *element operations* of about a microsecond or two each: one
 mpmath operation at the working precision, or judging one output element (rounding the exact
 result twice, its error and the error model's scale).  Exact sums cost far less: they are integer
 matrix products (spec.exact.dots), a fiftieth of an element operation per weight.  Adding an op is
-adding an entry here, a case strategy and a budget.
+one entry here, one oracle and one budget (docs/adding-an-op.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from gemma4_conformance import spec
 from gemma4_conformance.spec import enclosures
 
-from . import baselines, budget, error_models
+from . import baselines, budget, error_models, real_size, strategies
 
 # The oracle work one example may cost, in element operations: the largest real-size example (a
 # 15360 x 3840 weight, or 4096 keys at 16 query heads) whole, about two seconds.
@@ -103,7 +108,7 @@ def _matrix(op, args, keep_n, keep_rows):
     for i in weights:
         sub[i] = head[i][keep_n]
     sub.append(x.reshape(n_rows, K)[keep_rows] if lead else x)
-    columns = keep_n if op != "gate_up" else np.concatenate([keep_n, keep_n + N])
+    columns = np.concatenate([keep_n + i * N for i in range(len(weights))])  # gate_up: both halves
     row_index = np.unravel_index(keep_rows, lead) if lead else ()
     if row_index:
         index = tuple(r[:, None] for r in row_index) + (columns[None, :],)
@@ -116,9 +121,8 @@ def restrict_matrix(op, args, mask):
     """The output features and rows holding an element of ``mask``."""
     x = args[-1]
     cells = mask.reshape(int(np.prod(x.shape[:-1], dtype=np.int64)), -1)
-    if op == "gate_up":
-        half = cells.shape[1] // 2
-        cells = cells[:, :half] | cells[:, half:]
+    weights = sum(isinstance(a, np.ndarray) for a in args[:-1])
+    cells = np.logical_or.reduce(np.split(cells, weights, axis=1))  # gate_up: either half
     return _matrix(op, args, np.flatnonzero(cells.any(axis=0)), np.flatnonzero(cells.any(axis=1)))
 
 
@@ -196,9 +200,15 @@ class OpEntry:
     oracle: Callable
     scale: Callable  # error_models: (args as float64, exact as float64, dtype) -> (scale, absolute) per element
     sample: Callable  # (op, args, rng, work) -> (sub-args, index into the backend's output)
+    cases: Callable  # (dtype, op) -> the Hypothesis strategy of the op's cases (strategies)
+    edge_cases: Callable = strategies.no_edges  # op -> the cases every run checks before drawing any
+    real_size_cases: Callable = real_size.none  # op -> the cases at the real model's dimensions
+    # (case, arguments by name, format) -> None: what a case's own keys (cancel, offset) do to its
+    # arguments, in place
+    prepare: Callable | None = None
     quantities: Callable = lambda args: {}  # budget names beyond the contract's dimensions
     tier2: Callable | None = None  # the second tier's error model, where tolerances.yaml gives one
-    baselines: Callable | None = None  # (op, args, dtype) -> the plain same-dtype arrangements' outputs
+    baselines: Callable | None = None  # (args, dtype) -> the plain same-dtype arrangements' outputs
     # (args as float64, exact as float64, dtype) -> where the modelled arrangement's intermediate may
     # overflow although the exact result is finite: an inf of the exact result's sign is accepted there
     overflows: Callable | None = None
@@ -208,52 +218,101 @@ class OpEntry:
     # (op, args, mask over the output) -> (sub-args, index): the least part of the sampler's kind that
     # holds the masked elements, for the oracle to judge what the first stage could not.
     restrict: Callable | None = None
+    attention: error_models.AttentionInputs | None = None  # an attention op's arguments as queries
+    blocks: tuple[int, ...] = ()  # row blocks (M) whose batch invariance is checked beside 1 and all rows
+
+    @property
+    def prefill(self) -> bool:
+        """Attention of queries at positions ``pos`` over keys 0..L-1: its arguments end (pos, q, k, v)."""
+        return self.attention is not None and not self.attention.one_query
 
 
-def _entry(name, scale, sample, quantities=None, tier2=None, overflows=None):
+def entry(name, scale, sample, cases, quantities=None, tier2=None, **fields):
+    """The op's entry: its oracle and first stage by its name, and the restriction its sampler's kind has."""
     restrict = {matrix: restrict_matrix, attention: restrict_attention, decode: restrict_decode,
                 embed: restrict_embed, whole: None}.get(sample, restrict_rows)
-    return OpEntry(name, getattr(spec, name), scale, sample, quantities or (lambda args: {}), tier2,
-                   baselines.arrangements if tier2 is not None else None, overflows,
-                   enclosures.ENCLOSURES.get(name), restrict)
+    plain = partial(baselines.arrangements, fields["attention"]) if tier2 is not None else None
+    return OpEntry(name, spec.ORACLES[name], scale, sample, cases, quantities=quantities or (lambda args: {}),
+                   tier2=tier2, baselines=plain, enclosure=enclosures.ENCLOSURES.get(name), restrict=restrict,
+                   **fields)
 
 
-_elementwise = rows(lambda args: JUDGE * (_last(args) if np.ndim(args[-1]) else 1))
-_norm = rows(lambda args: JUDGE * _last(args))
-_rope = rows(lambda args: 3 * JUDGE * _last(args))  # a cos and a sin at the angle's guard precision
+elementwise = rows(lambda args: JUDGE * (_last(args) if np.ndim(args[-1]) else 1))
+norm = rows(lambda args: JUDGE * _last(args))
+rope = rows(lambda args: 3 * JUDGE * _last(args))  # a cos and a sin at the angle's guard precision
+ROW_BLOCKS = (3, 8)  # matrix products: kernels tile their rows in blocks
+
+_norm_cases = {"edge_cases": strategies.norm_edges, "real_size_cases": real_size.norm}
 
 OPS: dict[str, OpEntry] = {
     e.name: e
     for e in (
-        _entry("sigmoid", error_models.exact_magnitude, _elementwise),
-        _entry("silu", error_models.silu, _elementwise),
-        _entry("gelu_tanh", error_models.gelu_tanh, _elementwise),
-        _entry("softcap", error_models.softcap, _elementwise),
-        _entry("rms", error_models.rms, _norm),
-        _entry("rmsnorm", error_models.rmsnorm, _norm),
-        _entry("rmsnorm_offset", error_models.rmsnorm_offset, _norm),
-        _entry("rmsnorm_unit", error_models.rmsnorm_unit, _norm),
-        _entry("rmsnorm_gated", error_models.rmsnorm_gated, _norm),
-        _entry("l2norm", error_models.l2norm, _norm),
-        _entry("inv_freq", error_models.inv_freq, whole),
-        _entry("rope", error_models.rope, _rope),
-        _entry("rope_std", error_models.rope, _rope),
-        _entry("linear", error_models.inner_products, matrix),
-        _entry("gate_up", error_models.inner_products, matrix),
-        _entry("silu_mul", error_models.silu_mul, _elementwise),
-        _entry("gelu_mul", error_models.gelu_mul, _elementwise),
-        _entry("residual", error_models.residual, _elementwise),
-        _entry("embed", error_models.exact_magnitude, embed),
-        _entry("lm_head", error_models.lm_head, matrix, lambda args: {"capped": float(args[1] is not None)},
-               overflows=error_models.lm_head_logit_overflows),
-        _entry("softmax", error_models.softmax, _norm),
-        _entry("causal_gqa", error_models.causal_gqa, attention, tier2=error_models.causal_gqa_in_accumulation),
-        _entry("sliding_gqa", error_models.sliding_gqa, attention, tier2=error_models.sliding_gqa_in_accumulation),
-        _entry("decode_gqa", error_models.decode_gqa, decode, tier2=error_models.decode_gqa_in_accumulation),
-        _entry("sigmoid_gate", error_models.sigmoid_gate, _elementwise),
+        entry("sigmoid", error_models.exact_magnitude, elementwise, strategies.elementwise),
+        entry("silu", error_models.silu, elementwise, strategies.elementwise),
+        entry("gelu_tanh", error_models.gelu_tanh, elementwise, strategies.elementwise,
+              edge_cases=strategies.gelu_edges),
+        entry("softcap", error_models.softcap, elementwise, partial(strategies.elementwise, capped=True)),
+        entry("rms", error_models.rms, norm, strategies.norm, **_norm_cases),
+        entry("rmsnorm", error_models.rmsnorm, norm, strategies.norm, **_norm_cases),
+        entry("rmsnorm_offset", error_models.rmsnorm_offset, norm, strategies.norm, **_norm_cases),
+        entry("rmsnorm_unit", error_models.rmsnorm_unit, norm, strategies.norm, **_norm_cases),
+        entry("rmsnorm_gated", error_models.rmsnorm_gated, norm, strategies.norm, **_norm_cases),
+        entry("l2norm", error_models.l2norm, norm, strategies.norm, **_norm_cases),
+        entry("inv_freq", error_models.inv_freq, whole, strategies.inv_freq),
+        entry("rope", error_models.rope, rope, strategies.rope),
+        entry("rope_std", error_models.rope, rope, strategies.rope),
+        entry("linear", error_models.inner_products, matrix, strategies.linear, edge_cases=strategies.linear_edges,
+              real_size_cases=real_size.linear, prepare=strategies.cancel_dot, blocks=ROW_BLOCKS),
+        entry("gate_up", error_models.inner_products, matrix, strategies.linear, edge_cases=strategies.linear_edges,
+              real_size_cases=real_size.gate_up, prepare=strategies.cancel_dot, blocks=ROW_BLOCKS),
+        entry("silu_mul", error_models.silu_mul, elementwise, partial(strategies.elementwise, halves=True)),
+        entry("gelu_mul", error_models.gelu_mul, elementwise, partial(strategies.elementwise, halves=True),
+              edge_cases=partial(strategies.gelu_edges, halves=True)),
+        entry("residual", error_models.residual, elementwise, strategies.residual, prepare=strategies.cancel_residual),
+        entry("embed", error_models.exact_magnitude, embed, strategies.embed),
+        entry("lm_head", error_models.lm_head, matrix, partial(strategies.linear, head=True),
+              lambda args: {"capped": float(args[1] is not None)}, overflows=error_models.lm_head_logit_overflows,
+              edge_cases=partial(strategies.linear_edges, head=True), real_size_cases=real_size.lm_head,
+              prepare=strategies.cancel_dot, blocks=ROW_BLOCKS),
+        entry("softmax", error_models.softmax, norm, strategies.softmax, edge_cases=strategies.softmax_edges,
+              real_size_cases=real_size.softmax, prepare=strategies.offset_logits),
+        entry("causal_gqa", error_models.causal_gqa, attention, strategies.attention,
+              tier2=error_models.causal_gqa_in_accumulation, attention=error_models.CAUSAL,
+              edge_cases=strategies.attention_edges, real_size_cases=real_size.full_attention,
+              prepare=strategies.offset_attention),
+        entry("sliding_gqa", error_models.sliding_gqa, attention, strategies.attention,
+              tier2=error_models.sliding_gqa_in_accumulation, attention=error_models.SLIDING,
+              edge_cases=strategies.attention_edges, real_size_cases=real_size.sliding_attention,
+              prepare=strategies.offset_attention),
+        entry("decode_gqa", error_models.decode_gqa, decode, strategies.attention,
+              tier2=error_models.decode_gqa_in_accumulation, attention=error_models.DECODE,
+              edge_cases=strategies.attention_edges, real_size_cases=real_size.full_attention,
+              prepare=strategies.offset_attention),
+        entry("sigmoid_gate", error_models.sigmoid_gate, elementwise, strategies.elementwise),
     )
 }
 
 assert set(OPS) == set(spec.OP_NAMES), "every op of the contract needs an entry"
 assert all((e.tier2 is not None) == (budget.budget(e.name, "float32").tier2 is not None) for e in OPS.values()), \
     "an op has a second tier exactly where tolerances.yaml gives one"
+
+
+def cases(op: str, dtype: str):
+    """The Hypothesis strategy of ``op``'s cases in ``dtype``."""
+    return OPS[op].cases(dtype, op)
+
+
+def edge_cases(op: str) -> list[dict]:
+    return OPS[op].edge_cases(op)
+
+
+def real_size_cases(op: str) -> list[dict]:
+    return OPS[op].real_size_cases(op)
+
+
+def build(op: str, case: dict, dtype: str) -> tuple:
+    """The op's arguments in Lean order, floating arrays in ``dtype``, from a case."""
+    values = strategies.arguments(op, case, dtype)
+    if OPS[op].prepare is not None:
+        OPS[op].prepare(case, values, spec.format_of(dtype))
+    return tuple(values[a.name] for a in spec.CONTRACT[op].args)

@@ -11,8 +11,7 @@ from gemma4_conformance.adapters.contract import ContractViolation, Unsupported
 from gemma4_conformance.report.record import MIN_INFORMATIVE, UnsupportedSkip
 
 from .judging import judge, rerun_command
-from .real_size import real_size_cases
-from .strategies import cases, edge_cases
+from .table import cases, edge_cases, real_size_cases
 
 
 def check(request, backend, adapter, dtype, op, case):

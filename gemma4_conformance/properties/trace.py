@@ -16,6 +16,7 @@ from gemma4_conformance.spec import CONTRACT, format_of
 from gemma4_conformance.spec.model import forward, nodes
 
 from .judging import assess
+from .table import OPS
 
 NODE_WORK = 1_000  # oracle work per judged node, in element operations (table.py): about one row
 
@@ -211,14 +212,11 @@ def judge_trace(trace: dict, config, weights, tokens, dtype: str, work: int = NO
     return verdict
 
 
-ATTENTION = ("sliding_gqa", "causal_gqa")
-
-
 def _judge(c: Call, dtype: str, seed: int, work: int) -> NodeVerdict:
     """The node's op on a sample of the call's outputs; an attention node also on its last query, which
     sees the most keys and, past the window, the window's edge (a drawn query may be an early one)."""
     samples = [(c.args, c.out)]
-    if c.op in ATTENTION:
+    if OPS[c.op].prefill:
         *head, pos, q, k, v = c.args
         last = int(np.argmax(pos))
         samples.append(((*head, pos[last:last + 1], q[last:last + 1], k, v), c.out[last:last + 1]))
