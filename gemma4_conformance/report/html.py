@@ -17,7 +17,7 @@ from pathlib import Path
 import jinja2
 
 from gemma4_conformance.adapters import INVARIANCE
-from gemma4_conformance.properties.invariance import BLOCKS, LINEAR_FAMILY
+from gemma4_conformance.properties.table import OPS
 from gemma4_conformance.spec import OP_NAMES
 from gemma4_conformance.spec.model import LAYER_NODES
 
@@ -465,9 +465,10 @@ def invariance_section(page: Page) -> dict:
                      "ops": "; ".join(varying) or ("none" if checked else "—"), "checked": len(checked)})
         failures += [{"column": page.label(i, backend), "dtype": dtype, "relation": r, "message": e["message"],
                       "rerun": page.command(e["rerun"])} for r, e in entries.items() if e["outcome"] == "failed"]
+    blocked = [name for name in OP_NAMES if OPS[name].blocks]
     return {"invariance": rows, "invariance_relations": list(INVARIANCE), "invariance_failures": failures,
-            "blocked_ops": f"{', '.join(LINEAR_FAMILY[:-1])} and {LINEAR_FAMILY[-1]}",
-            "blocks": " and ".join(map(str, BLOCKS))}
+            "blocked_ops": f"{', '.join(blocked[:-1])} and {blocked[-1]}",
+            "blocks": " and ".join(map(str, sorted({m for name in blocked for m in OPS[name].blocks})))}
 
 
 TRACE_CLASSES = {"passed": "ok", "failed": "fail", "not traced": "notrun", "inputs not traced": "unsup"}
