@@ -18,7 +18,7 @@ from gemma4_conformance.spec import format_of
 from gemma4_conformance.spec.model import decoder_layer, forward, head
 
 from .judging import assess
-from .table import ORACLE_WORK
+from .table import OPS, ORACLE_WORK
 
 # How much worse than the plain same-dtype baseline a candidate's own error may be (a layer's, or the
 # head's): between what correct engines measure and what model-level mistakes make (docs/verdict.md).
@@ -30,10 +30,8 @@ FLOOR = 8  # unit roundoffs of the dtype: below that, errors are a handful of fi
 # Oracle work per certified op call (element operations, see table.py): every output of every call of
 # the generated model; the 12B geometry's largest calls are sampled (docs/measurements.md).
 CERTIFY_WORK = ORACLE_WORK // 4
-# The calls a long sequence's reference certifies: what it adds to the forward test's certified calls on
-# the same checkpoint is positions past the window (rope) and many keys across it (attention); every
-# other op acts on each token alone, with the weights and shapes per token that test certifies.
-LONG_CONTEXT_OPS = frozenset({"rope", "sliding_gqa", "causal_gqa"})
+# The calls a long sequence's reference certifies (the entries' ``long_context``).
+LONG_CONTEXT_OPS = frozenset(name for name, entry in OPS.items() if entry.long_context)
 
 
 SPECIAL_IDS = (0, 1, 2)  # Gemma's pad, eos and bos

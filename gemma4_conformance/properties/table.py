@@ -220,6 +220,10 @@ class OpEntry:
     restrict: Callable | None = None
     attention: error_models.AttentionInputs | None = None  # an attention op's arguments as queries
     blocks: tuple[int, ...] = ()  # row blocks (M) whose batch invariance is checked beside 1 and all rows
+    # The op reads positions or keys across a sequence (the graph's rope and prefill attention), so a long
+    # sequence's reference certifies its calls beyond those of the forward test; every other op acts on
+    # each token alone, with the weights and shapes per token that test certifies.
+    long_context: bool = False
 
     @property
     def prefill(self) -> bool:
@@ -259,7 +263,7 @@ OPS: dict[str, OpEntry] = {
         entry("rmsnorm_gated", error_models.rmsnorm_gated, norm, strategies.norm, **_norm_cases),
         entry("l2norm", error_models.l2norm, norm, strategies.norm, **_norm_cases),
         entry("inv_freq", error_models.inv_freq, whole, strategies.inv_freq),
-        entry("rope", error_models.rope, rope, strategies.rope),
+        entry("rope", error_models.rope, rope, strategies.rope, long_context=True),
         entry("rope_std", error_models.rope, rope, strategies.rope),
         entry("linear", error_models.inner_products, matrix, strategies.linear, edge_cases=strategies.linear_edges,
               real_size_cases=real_size.linear, prepare=strategies.cancel_dot, blocks=ROW_BLOCKS),
@@ -279,11 +283,11 @@ OPS: dict[str, OpEntry] = {
         entry("causal_gqa", error_models.causal_gqa, attention, strategies.attention,
               tier2=error_models.causal_gqa_in_accumulation, attention=error_models.CAUSAL,
               edge_cases=strategies.attention_edges, real_size_cases=real_size.full_attention,
-              prepare=strategies.offset_attention),
+              prepare=strategies.offset_attention, long_context=True),
         entry("sliding_gqa", error_models.sliding_gqa, attention, strategies.attention,
               tier2=error_models.sliding_gqa_in_accumulation, attention=error_models.SLIDING,
               edge_cases=strategies.attention_edges, real_size_cases=real_size.sliding_attention,
-              prepare=strategies.offset_attention),
+              prepare=strategies.offset_attention, long_context=True),
         entry("decode_gqa", error_models.decode_gqa, decode, strategies.attention,
               tier2=error_models.decode_gqa_in_accumulation, attention=error_models.DECODE,
               edge_cases=strategies.attention_edges, real_size_cases=real_size.full_attention,
