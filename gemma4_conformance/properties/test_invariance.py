@@ -17,7 +17,6 @@ from gemma4_conformance.adapters import DTYPES
 from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.composition.graph import missing_ops
 from gemma4_conformance.report.record import UnsupportedSkip
-from gemma4_conformance.spec.model import OPS_USED
 
 from .invariance import RELATIONS, InvarianceRecord, Plays, check, claims, fixed, op_invariance
 from .judging import rerun_command
@@ -95,7 +94,7 @@ def test_op_batch_invariance(request, backend, adapter, invariance_dtype, docume
     dtype = invariance_dtype
     if dtype not in adapter.dtypes or dtype not in request.config.conformance_dtypes:
         pytest.skip(f"{adapter.name} is not tested in {dtype} here")
-    missing = [op for op in OPS_USED if not hasattr(adapter, op)]
+    missing = missing_ops(adapter)
     if missing:  # the check composes a forward of the adapter's own ops
         raise UnsupportedSkip(f"{adapter.name} does not implement {', '.join(missing)}")
     try:
