@@ -243,7 +243,8 @@ INVARIANCE_FIELDS = {
     "relation": Field(str, '"run", "batch" or "chunk"'),
     "claimed": Field(bool, "true when the adapter promises it (its `invariance`): then a difference fails the run"),
     "outcome": Field(str, '"held", "varies" (not claimed, and it does not hold: measured, not a failure), '
-                          '"failed" (claimed, and it does not hold), "errored", "unsupported" (no session)'),
+                          '"failed" (claimed, and it does not hold), "errored", "unsupported" (no session, and not '
+                          'every op to compose one)'),
     "schedules": Field(int, "schedules compared (an integer; Hypothesis's shrinking included)"),
     "rows": Field(int, "the logit rows compared bitwise (an integer)"),
     "differing": Field(int, "of those, the rows that differ (an integer)"),
