@@ -1,6 +1,7 @@
 """The op table: one entry per op, from which the agreement tests, the budgets and the report follow.
 
-An entry holds everything the suite knows about an op: its contract and oracle (spec), its cases (a
+An entry holds everything the suite knows about an op: its oracle (spec; its contract is the entry of
+the same name in spec.CONTRACT, below the adapters, which check their calls against it), its cases (a
 Hypothesis strategy, edge cases, real-size cases and the preparation of its arguments: strategies,
 real_size), its error model's scale (error_models), its budget (tolerances.yaml, by the op's name) and
 its *sampler*, which picks the output coordinates the oracle computes.  Code outside the table reads
