@@ -264,3 +264,8 @@ def test_writing_an_unknown_format_is_refused_before_any_file(tmp_path):
     with pytest.raises(UnknownWeightFormat, match="unknown weight format 'Q4_K_M'; the known formats are"):
         generate.write_checkpoint(tmp_path / "ck", generate.small_config(), weight_format="Q4_K_M")
     assert not (tmp_path / "ck").exists()
+
+
+def test_the_generator_s_command_line_writes_a_quantized_checkpoint(tmp_path, capsys):
+    generate.main([str(tmp_path), "--weight-format", "q6_k", "--shards", "1"])
+    assert set(load(tmp_path).weight_formats.values()) == {"q6_k"}
