@@ -8,17 +8,16 @@ import json
 import shutil
 import struct
 
+import gguf  # the test extra installs it: without it the bit-exactness check must fail, not skip
 import ml_dtypes
 import numpy as np
 import pytest
+from gguf import quants
 
 from gemma4_conformance.checkpoints import generate
 from gemma4_conformance.checkpoints.checkpoint import FORMATS_KEY, CheckpointError, load
 from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, UnknownWeightFormat, weight_format
 from gemma4_conformance.properties.forward import reference
-
-gguf = pytest.importorskip("gguf")
-from gguf import quants  # noqa: E402  (after the skip: the test extra installs it)
 
 #: byte offsets of each format's fp16 scales in a block (d, and dmin in q4_k)
 SCALES = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
@@ -248,7 +247,8 @@ NORM = "model.language_model.layers.0.input_layernorm.weight"
                                                                           "declares a format for a tensor"),
     (lambda formats: "[1, 2", "corrupt __metadata__ entry 'weight_formats'"),
     (lambda formats: {k: v for k, v in formats.items() if k != Q_PROJ}, f"{Q_PROJ} in .*: unsupported dtype U8"),
-])
+], ids=["an unknown format", "blocks of another format", "a float tensor declared", "a tensor not in the file",
+        "corrupt metadata", "blocks not declared"])
 def test_a_quantized_checkpoint_that_does_not_hold_together_is_named(tmp_path, quantized_folder, edit, message):
     folder = tmp_path / "ck"
     shutil.copytree(quantized_folder, folder)
