@@ -176,7 +176,7 @@ def test_a_quantized_checkpoint_is_refused_before_the_converter_runs(tmp_path):
     """llama.cpp's converter cannot read a checkpoint's quantized blocks (it would take their bytes for
     numbers): the conversion says so, naming the formats, whether or not llama.cpp is installed."""
     folder = generate.write_checkpoint(tmp_path / "q8", generate.small_config(), weight_format="q8_0", shards=1)
-    with pytest.raises(RuntimeError, match="stores matrices as q8_0 blocks, which llama.cpp's converter cannot read"):
+    with pytest.raises(ValueError, match="stores matrices as q8_0 blocks, which llama.cpp's converter cannot read"):
         convert(folder, "float32", tmp_path / "cache", tmp_path / "no-source")
     assert not (tmp_path / "cache").exists()
 
