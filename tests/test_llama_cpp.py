@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.adapters.llama_cpp_backend import GraphTensor, TraceCollector
+from gemma4_conformance.adapters.llama_cpp_backend import GraphTensor, TraceCollector, convert
 from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec.model import forward, nodes
@@ -170,6 +170,15 @@ def test_unnamed_nodes_are_left_out_when_the_structure_differs(small):
                for t, a in tensors if t.id not in drop or t is target]
     trace = collect(weights.config, rewired)[0].trace()
     assert "layers.2.o_proj" not in trace and "layers.3.o_proj" in trace
+
+
+def test_a_quantized_checkpoint_is_refused_before_the_converter_runs(tmp_path):
+    """llama.cpp's converter cannot read a checkpoint's quantized blocks (it would take their bytes for
+    numbers): the conversion says so, naming the formats, whether or not llama.cpp is installed."""
+    folder = generate.write_checkpoint(tmp_path / "q8", generate.small_config(), weight_format="q8_0", shards=1)
+    with pytest.raises(ValueError, match="stores matrices as q8_0 blocks, which llama.cpp's converter cannot read"):
+        convert(folder, "float32", tmp_path / "cache", tmp_path / "no-source")
+    assert not (tmp_path / "cache").exists()
 
 
 # ---- the real engine -------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from gemma4_conformance.adapters import DTYPES, available_builtins
+from gemma4_conformance.checkpoints import generate
 from gemma4_conformance.properties.relations import _rope_pairs
 from gemma4_conformance.properties.table import build
 from gemma4_conformance.spec import OP_NAMES
@@ -194,6 +195,17 @@ def test_weights_that_are_not_a_checkpoint_folder(run, tmp_path):
     assert_usage_error(*run(f"--weights={tmp_path}"), "--weights", str(tmp_path / "config.json"))
     (tmp_path / "file").write_text("{}")
     assert_usage_error(*run(f"--weights={tmp_path / 'file'}"), "--weights", str(tmp_path / "file"))
+
+
+def test_weights_in_an_unknown_format(run, tmp_path):
+    """A checkpoint whose metadata declares a weight format the suite does not know (q3_k for q8_0)."""
+    folder = generate.write_checkpoint(tmp_path, generate.small_config(), weight_format="q8_0", shards=1)
+    file = folder / "model.safetensors"
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    file.write_bytes(raw[:8] + raw[8:8 + n].replace(b"q8_0", b"q3_k", 1) + raw[8 + n:])
+    assert_usage_error(*run(f"--weights={folder}"), "--weights", str(file), "unknown weight format 'q3_k'",
+                       "the known formats are q8_0, q4_0, q4_k, q6_k")
 
 
 @FUZZ

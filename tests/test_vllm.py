@@ -209,6 +209,15 @@ def test_rotated_values_are_copied_when_recorded(cfg):
     assert not np.array_equal(trace["layers.3.q_norm"].reshape(T, -1), trace["layers.3.q_rope"].reshape(T, -1))
 
 
+def test_a_quantized_checkpoint_is_refused_before_vllm_loads_it(tmp_path):
+    """vLLM would read a checkpoint's quantized blocks as numbers: refused, naming the formats (whether or not
+    vLLM is installed: the check comes first)."""
+    folder = generate.write_checkpoint(tmp_path, generate.small_config(), weight_format="q4_k", shards=1)
+    adapter = object.__new__(vllm_backend.Vllm)
+    with pytest.raises(ValueError, match="stores matrices as q4_k blocks, which vLLM cannot read"):
+        adapter._llm(folder, "float32")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason=vllm_backend.SETUP["vllm"])
 def test_real_vllm_forward_keeps_the_contract(tmp_path, cfg):
     from gemma4_conformance.checkpoints import checkpoint

@@ -98,6 +98,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gemma4_conformance.checkpoints.checkpoint import refuse_quantized
 from gemma4_conformance.checkpoints.config import TextConfig
 from gemma4_conformance.spec import format_of
 
@@ -316,6 +317,7 @@ class Conversion:
 
 def convert(checkpoint: Path, dtype: str, cache_dir: Path, source: Path) -> Conversion:
     """The GGUF of ``checkpoint`` for ``dtype``, converted now or found in the cache."""
+    refuse_quantized(checkpoint, "llama.cpp's converter")
     outtype = GGUF_TYPES[dtype]
     key = hashlib.sha256(f"{checkpoint_fingerprint(checkpoint)}:{converter_fingerprint(source)}".encode()).hexdigest()
     folder = cache_dir / "llama.cpp"

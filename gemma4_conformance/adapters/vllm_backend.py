@@ -82,6 +82,7 @@ from pathlib import Path
 import numpy as np
 
 from gemma4_conformance.adapters import SETUP
+from gemma4_conformance.checkpoints.checkpoint import refuse_quantized
 from gemma4_conformance.checkpoints.config import TextConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -120,6 +121,7 @@ class Vllm:
         session (module docstring)."""
         if checkpoint is None:
             raise ValueError("vLLM loads the checkpoint folder, and these weights came from no folder")
+        refuse_quantized(checkpoint, "vLLM")
         if dtype not in DTYPES:
             raise ValueError(f"{self.name} runs {', '.join(DTYPES)}, not {dtype}")
         key = (str(Path(checkpoint).resolve()), dtype, serving)

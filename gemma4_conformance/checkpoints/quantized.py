@@ -1,0 +1,231 @@
+"""Weight formats: GGUF's block formats ``q8_0``, ``q4_0``, ``q4_k`` and ``q6_k``, as llama.cpp defines
+them (``ggml-common.h`` for the block layouts, ``dequantize_row_*`` in ``ggml-quants.c`` for the values).
+
+A quantized tensor is exactly a set of real numbers: per block of values a scale (and, in ``q4_k``, a
+minimum) times small integers. Those numbers are the weights an engine running the file computes
+with, so they are the spec's W: ``WeightFormat.dequantize`` returns them exactly, in float64.
+
+Why float64 holds every value exactly. An fp16 scale is ``a * 2^e`` with an integer ``0 <= a < 2^11``
+and ``-24 <= e <= 5`` (65504 = 2047 * 2^5; the subnormals are ``a * 2^-24``, ``a < 2^10``).
+
+* ``q8_0``: ``d * q``, ``|q| <= 128``: ``a * |q| < 2^19``.
+* ``q4_0``: ``d * (q - 8)``, ``|q - 8| <= 8``: ``< 2^14``.
+* ``q6_k``: ``d * sc * (q - 32)``, ``|sc| <= 128`` (int8), ``|q - 32| <= 32``: ``< 2^23``.
+* ``q4_k``: ``d * sc * q - dmin * m``, ``0 <= sc, m <= 63``, ``0 <= q <= 15``: the two products are
+  ``A * 2^e`` and ``B * 2^f`` with ``A <= 2047 * 63 * 15 < 2^21``, ``B <= 2047 * 63 < 2^17``. Their
+  difference is ``2^g`` (``g = min(e, f)``) times the integer ``A * 2^(e-g) - B * 2^(f-g)``, and
+  ``|e - f| <= 29``, so that integer is below ``2^21 * 2^29 + 2^17 * 2^29 < 2^51``.
+
+Every product and the difference are below 2^53 in units of their last bit, so each float64
+operation above is exact (IEEE arithmetic returns the exact result when it is representable).
+llama.cpp and the ``gguf`` package compute in float32: ``q8_0``, ``q4_0`` and ``q6_k`` values fit in
+float32's 24 bits, so theirs are these values; a ``q4_k`` value may not, and theirs is its rounding to
+float32 (two exact products, then one rounded subtraction, or one fused multiply-add). The engine's
+integer dot products (``ggml_vec_dot_q4_K_q8_K``) use the exact values, which is why W is kept in
+float64. tests/test_quantized.py checks all of this bit for bit against ``gguf``'s dequantization.
+
+The quantizers (``WeightFormat.quantize``) are this module's own: ``gguf`` has none for the k-quants,
+and the suite does not need the ``gguf`` package at run time (the tests use it as the independent
+reference). They choose scales by each block's range, more simply than llama-quantize's search for
+the best scales; that is no loss here, since W is whatever the blocks hold, not the values quantized.
+``q8_0`` and ``q4_0`` follow llama.cpp's reference quantizers (``quantize_row_*_ref``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["WeightFormat", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format"]
+
+QK_K = 256  # values per k-quant super-block
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """One block format: ``block`` values stored in ``block_bytes`` bytes, blocks running along a row."""
+
+    name: str
+    block: int
+    block_bytes: int
+    ggml_type: str                                   # the name of the type in GGML and GGUF
+    dequantize_blocks: Callable[[np.ndarray], np.ndarray]  # uint8 [n, block_bytes] -> float64 [n, block]
+    quantize_blocks: Callable[[np.ndarray], np.ndarray]    # float32 [n, block] -> uint8 [n, block_bytes]
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether a tensor of ``shape`` can be stored: a matrix whose rows are whole blocks."""
+        return len(shape) == 2 and shape[1] > 0 and shape[1] % self.block == 0
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The uint8 array a ``shape`` tensor is stored as: each row its blocks' bytes."""
+        return shape[0], shape[1] // self.block * self.block_bytes
+
+    def dequantize(self, stored: np.ndarray) -> np.ndarray:
+        """The exact values (float64, ``[rows, columns]``) of the blocks ``stored`` (uint8 ``[rows, row bytes]``)."""
+        rows = stored.shape[0]
+        blocks = np.ascontiguousarray(stored, dtype=np.uint8).reshape(-1, self.block_bytes)
+        return self.dequantize_blocks(blocks).reshape(rows, -1)
+
+    def quantize(self, values: np.ndarray) -> np.ndarray:
+        """The blocks (uint8 ``[rows, row bytes]``) that store ``values`` (``[rows, columns]``), rounded."""
+        values = np.asarray(values, dtype=np.float32)
+        if not self.fits(values.shape):
+            raise ValueError(f"{self.name} stores matrices whose rows are multiples of {self.block} values, "
+                             f"not shape {list(values.shape)}")
+        blocks = self.quantize_blocks(values.reshape(-1, self.block))
+        return blocks.reshape(self.stored_shape(values.shape))
+
+
+class UnknownWeightFormat(ValueError):
+    """A weight format name the suite does not know: the message lists the known ones."""
+
+
+def weight_format(name: str) -> WeightFormat:
+    """The format called ``name``; an unknown name raises UnknownWeightFormat naming it and the known ones."""
+    try:
+        return WEIGHT_FORMATS[name]
+    except (KeyError, TypeError):
+        raise UnknownWeightFormat(f"unknown weight format {name!r}; the known formats are "
+                                  f"{', '.join(WEIGHT_FORMATS)}") from None
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    """Two little-endian bytes per row as the fp16 value they hold, in float64 (exactly): ``[n]``."""
+    return np.ascontiguousarray(raw).view("<f2").astype(np.float64)[:, 0]
+
+
+def _fp16_bytes(values: np.ndarray) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32).astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _round_away(x: np.ndarray) -> np.ndarray:
+    """C's roundf: halves away from zero (numpy's round goes to even). Computed without adding 0.5,
+    which rounds in float32 (0.49999997 + 0.5 is 1): ``|x| - floor(|x|)`` is exact."""
+    a = np.abs(x)
+    whole = np.floor(a)
+    return np.sign(x) * (whole + (a - whole >= 0.5))
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, np.float32(1), d))
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """Bytes ``[n, k]`` as ``[n, 2k]`` 4-bit values: every low nibble, then every high one (GGML's order)."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    half = q.shape[-1] // 2
+    return (q[..., :half] | (q[..., half:] << 4)).astype(np.uint8)
+
+
+# ---- q8_0: fp16 d, 32 int8 q; x = d * q ------------------------------------------------------------
+
+def _q8_0_dequantize(blocks: np.ndarray) -> np.ndarray:
+    return _fp16(blocks[:, :2])[:, None] * blocks[:, 2:].view(np.int8)
+
+
+def _q8_0_quantize(x: np.ndarray) -> np.ndarray:
+    d = np.abs(x).max(axis=1, keepdims=True) / np.float32(127)
+    q = _round_away(x * _inverse(d)).astype(np.int8)
+    return np.concatenate([_fp16_bytes(d), q.view(np.uint8)], axis=1)
+
+
+# ---- q4_0: fp16 d, 16 bytes of 4-bit q; x = d * (q - 8) ----------------------------------------------
+
+def _q4_0_dequantize(blocks: np.ndarray) -> np.ndarray:
+    return _fp16(blocks[:, :2])[:, None] * (_nibbles(blocks[:, 2:]).astype(np.int64) - 8)
+
+
+def _q4_0_quantize(x: np.ndarray) -> np.ndarray:
+    # The signed value of largest magnitude maps to -8 (llama.cpp: d = max / -8).
+    extreme = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
+    d = extreme / np.float32(-8)
+    q = np.clip(np.trunc(x * _inverse(d) + np.float32(8.5)), 0, 15).astype(np.uint8)
+    return np.concatenate([_fp16_bytes(d), _pack_nibbles(q)], axis=1)
+
+
+# ---- q4_k: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of
+#      4-bit q; x = d * sc_j * q - dmin * m_j --------------------------------------------------------
+
+def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``get_scale_min_k4``: the 8 six-bit scales and mins of each block from its 12 bytes."""
+    p = packed.astype(np.int64)
+    low, mid, high = p[:, 0:4], p[:, 4:8], p[:, 8:12]
+    sc = np.concatenate([low & 63, (high & 0x0F) | ((low >> 6) << 4)], axis=1)
+    m = np.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc, m
+
+
+def _q4_k_dequantize(blocks: np.ndarray) -> np.ndarray:
+    n = len(blocks)
+    d, dmin = _fp16(blocks[:, 0:2]), _fp16(blocks[:, 2:4])
+    sc, m = _q4_k_scales(blocks[:, 4:16])
+    # 4 runs of 32 bytes, each the low nibbles of sub-block 2j and the high nibbles of sub-block 2j+1
+    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32)
+    return ((d[:, None] * sc)[..., None] * q - (dmin[:, None] * m)[..., None]).reshape(n, QK_K)
+
+
+def _q4_k_quantize(x: np.ndarray) -> np.ndarray:
+    n = len(x)
+    sub = x.reshape(n, 8, 32)
+    low = np.minimum(sub.min(axis=2), 0)                  # the stored min m_j is -low >= 0
+    step = (sub.max(axis=2) - low) / np.float32(15)
+    d = step.max(axis=1) / np.float32(63)
+    dmin = (-low).max(axis=1) / np.float32(63)
+    d16, dmin16 = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(_round_away(step * _inverse(d16)[:, None]), 0, 63).astype(np.int64)
+    m = np.clip(_round_away(-low * _inverse(dmin16)[:, None]), 0, 63).astype(np.int64)
+    scale, offset = d16[:, None] * sc, dmin16[:, None] * m
+    q = np.clip(_round_away((sub + offset[..., None]) * _inverse(scale)[..., None]), 0, 15).astype(np.int64)
+    packed = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], axis=1).astype(np.uint8)
+    qs = _pack_nibbles(q.reshape(n, 4, 64)).reshape(n, 128)
+    return np.concatenate([_fp16_bytes(d16), _fp16_bytes(dmin16), packed, qs], axis=1)
+
+
+# ---- q6_k: 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales (one per 16 values), fp16
+#      d; x = d * sc_j * (q - 32) ----------------------------------------------------------------------
+
+def _q6_k_dequantize(blocks: np.ndarray) -> np.ndarray:
+    n = len(blocks)
+    ql = blocks[:, :128].reshape(n, 2, 2, 32).astype(np.int64)   # half, run, l
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32).astype(np.int64)
+    sc = blocks[:, 192:208].view(np.int8).astype(np.int64)
+    d = _fp16(blocks[:, 208:210])
+    # in each half of 128 values: l, l+32, l+64, l+96 from ql[l], ql[l+32] (low, then high nibbles)
+    # and the 2-bit pairs 0, 1, 2, 3 of qh[l]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)           # [n, 2, 4, 32]
+    high = (qh >> (2 * np.arange(4)[:, None])) & 3
+    q = (low | (high << 4)) - 32
+    return ((d[:, None] * sc)[..., None] * q.reshape(n, 16, 16)).reshape(n, QK_K)
+
+
+def _q6_k_quantize(x: np.ndarray) -> np.ndarray:
+    n = len(x)
+    sub = x.reshape(n, 16, 16)
+    extreme = np.take_along_axis(sub, np.abs(sub).argmax(axis=2)[..., None], axis=2)[..., 0]
+    step = extreme / np.float32(-32)                       # the extreme value maps to q - 32 = -32
+    big = np.take_along_axis(step, np.abs(step).argmax(axis=1)[:, None], axis=1)[:, 0]
+    d16 = (big / np.float32(-128)).astype(np.float16).astype(np.float32)
+    sc = np.clip(_round_away(step * _inverse(d16)[:, None]), -128, 127).astype(np.int64)
+    scale = d16[:, None] * sc
+    q = (np.clip(_round_away(sub * _inverse(scale)[..., None]), -32, 31).astype(np.int64) + 32).reshape(n, 2, 4, 32)
+    ql = (q[:, :, 0:2] & 0x0F) | ((q[:, :, 2:4] & 0x0F) << 4)
+    qh = sum((q[:, :, k] >> 4) << (2 * k) for k in range(4))
+    return np.concatenate([ql.reshape(n, 128).astype(np.uint8), qh.reshape(n, 64).astype(np.uint8),
+                           sc.astype(np.int8).view(np.uint8), _fp16_bytes(d16)], axis=1)
+
+
+WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
+    WeightFormat("q8_0", 32, 34, "Q8_0", _q8_0_dequantize, _q8_0_quantize),
+    WeightFormat("q4_0", 32, 18, "Q4_0", _q4_0_dequantize, _q4_0_quantize),
+    WeightFormat("q4_k", QK_K, 144, "Q4_K", _q4_k_dequantize, _q4_k_quantize),
+    WeightFormat("q6_k", QK_K, 210, "Q6_K", _q6_k_dequantize, _q6_k_quantize),
+)}
