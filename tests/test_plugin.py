@@ -85,6 +85,18 @@ def test_a_wrong_forward_exits_1_and_its_rerun_command_reproduces_it(tmp_path):
     assert done.returncode == EXIT_NOT_CONFORMANT and "1 failed" in done.stdout, done.stdout[-3000:]
 
 
+def test_a_nan_found_by_a_drawn_example_is_an_ordinary_failure_with_its_rerun_command(tmp_path):
+    """Its error is infinite, which Hypothesis refuses as a search target: the NaN's failure stands."""
+    backend = "tests.faulty:ADAPTERS.decode_gqa_nan_for_short_caches"
+    status, out, doc = suite(tmp_path, f"--backend={backend}", "--dtype=bfloat16", "-k", "test_matches_oracle and -decode_gqa]")
+    assert status == EXIT_NOT_CONFORMANT and "InvalidArgument" not in out, out[-3000:]
+    [result] = doc["results"]
+    assert result["outcome"] == "failed" and not doc["problems"], result
+    assert result["message"].startswith("NaN in the output") and result["worst_ulps"] == "inf", result
+    done = rerun_elsewhere(tmp_path, result["rerun"])
+    assert done.returncode == EXIT_NOT_CONFORMANT and "NaN in the output" in done.stdout, done.stdout[-3000:]
+
+
 @pytest.mark.parametrize("adapter, evidence", [("sigmoid_raises", "raised RuntimeError: kernel not compiled"),
                                                ("sigmoid_returns_float64", "returned dtype float64")])
 def test_a_broken_adapter_exits_6_and_the_other_ops_are_still_reported(tmp_path, adapter, evidence):

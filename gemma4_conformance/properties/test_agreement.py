@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import currently_in_test_context, given
 from hypothesis import strategies as st
@@ -30,8 +32,10 @@ def check(request, backend, adapter, dtype, op, case):
     record.timed(verdict.seconds)
     record.judged(verdict.checked, verdict.by_oracle)
     worst = record.add(error, allowed, case, command, verdict.informative)
-    if currently_in_test_context():  # a drawn example, not an edge case or a --case rerun
-        target(error / allowed, label="error / budget")  # search towards the budget's edge
+    # A drawn example (not an edge case or a --case rerun) steers the search towards the budget's edge;
+    # a non-finite error (a NaN or inf output) fails below, and Hypothesis refuses it as a target.
+    if currently_in_test_context() and math.isfinite(error / allowed):
+        target(error / allowed, label="error / budget")
     if not verdict.passed:
         record.fail(verdict.failures[0], worst)
         pytest.fail("\n".join(verdict.failures) + f"\n  rerun: {command}", pytrace=False)
