@@ -353,7 +353,8 @@ def exit_status(config, exitstatus: int) -> int:
     """pytest's status, with 6 for a run that broke or whose report could not be written (it wins over
     1: the verdict is incomplete)."""
     broke = config.conformance_recorder.problems or not all(written for _, written in config.conformance_reports)
-    if int(exitstatus) in (EXIT_CONFORMANT, EXIT_NOT_CONFORMANT) and broke:
+    nothing_else = pytest.ExitCode.NO_TESTS_COLLECTED  # every test's input broke (a trace file that is none)
+    if int(exitstatus) in (EXIT_CONFORMANT, EXIT_NOT_CONFORMANT, nothing_else) and broke:
         return EXIT_BROKEN
     return int(exitstatus)
 
@@ -386,7 +387,8 @@ def pytest_sessionfinish(session, exitstatus):
     if getattr(config, "conformance_usage_error", None):
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
         return
-    if getattr(config, "conformance_collected", 0) and not config.option.collectonly:  # nothing judged, no report
+    judged = getattr(config, "conformance_collected", 0) or config.conformance_recorder.problems
+    if judged and not config.option.collectonly:  # nothing judged and nothing broke: no report
         write_reports(config)
     session.exitstatus = exit_status(config, exitstatus)
 
@@ -430,7 +432,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"ERROR: {config.conformance_usage_error}", red=True)
         return
     recorder = getattr(config, "conformance_recorder", None)
-    if recorder is None or not getattr(config, "conformance_collected", 0):
+    if recorder is None or not (getattr(config, "conformance_collected", 0) or recorder.problems):
         return  # not a run of the suite's tests
     deviations = config.conformance_deviations
     if deviations.entries:
