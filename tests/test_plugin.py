@@ -69,6 +69,7 @@ def test_a_result_beyond_budget_exits_1_and_the_reports_rerun_command_reproduces
     rms = next(r for r in doc["results"] if r["op"] == "rms")
     # The message, the error and the rerun command all describe the worst example, not the shrunk one.
     assert rms["message"].startswith(f"error {rms['worst_ulps']:.4g} ULPs at the op's scale")
+    assert "np.float" not in rms["message"] and re.search(r"got -?[0-9]", rms["message"]), rms["message"]  # plain numbers
     rerun = rms["rerun"]
     assert re.search(r"rerun: pytest -p gemma4_conformance.plugin --pyargs .*-rms\]", out)  # the minimal case
     done = rerun_elsewhere(tmp_path, rerun)
