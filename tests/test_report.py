@@ -382,6 +382,16 @@ def test_the_failures_section_comes_first_and_names_the_op_and_its_rerun(page):
     assert "softmax" not in failures
 
 
+def test_an_infinite_error_is_shown_as_inf_in_the_failures_table():
+    """A NaN output's error is infinite (the second tier's): its ULPs and "x over" say inf."""
+    recorder = Recorder()
+    _record(recorder, "torch-sdpa", "bfloat16", "decode_gqa", [0.5, float("inf")], 1.5, "failed",
+            "NaN in the output at (0, 0, 0) where the exact result is finite")
+    failures = _section(report.render([report.document(recorder, report.environment())]), "failures", "conformance")
+    [row] = re.findall(r"<tr><td>torch-sdpa</td>.*?</tr>", failures, re.S)
+    assert re.findall(r'<td class="num">([^<]*)</td>', row) == ["inf", "1.5", "inf"], row
+
+
 def test_theorems_known_deviations_and_problems_are_in_the_document(doc):
     relations = {(r["dtype"], r["relation"]): r for r in doc["relations"]}
     held, broken = relations["bfloat16", "softmax_sums_to_one"], relations["float32", "rope_keeps_pair_norms"]
