@@ -359,17 +359,44 @@ def exit_status(config, exitstatus: int) -> int:
     return int(exitstatus)
 
 
+def _environment(config) -> dict:
+    command = shlex.join(["pytest", *config.invocation_params.args])
+    return report.environment(command=command, backends=config.conformance_backends.values(),
+                              threads=config.conformance_threads)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Stream the JSON report (report.Stream): a line per finished test of the suite, so that a run killed
+    before its end (a job past its deadline that ignores SIGINT) leaves every finished test's verdict.
+    Not in pytest-xdist workers: the controller writes the report at the end."""
+    outcome = yield
+    config = item.config
+    path = config.getoption("--report-json")
+    if path is None or hasattr(config, "workerinput") or not in_suite(item):
+        return outcome
+    stream = getattr(config, "conformance_stream", None)
+    if stream is None:
+        stream = config.conformance_stream = report.Stream(path, _environment(config),
+                                                           config.conformance_deviations.entries)
+    if stream:
+        try:
+            stream.update(config.conformance_recorder, item.nodeid)
+        except OSError:  # a path that cannot be written: said when the whole report cannot be either
+            config.conformance_stream = False
+    return outcome
+
+
 def write_reports(config) -> None:
     """Write the JSON and HTML reports, each on its own, so that one that fails leaves the other."""
     paths = {"JSON": config.getoption("--report-json"), "HTML": config.getoption("--report-html") or None}
     paths = {kind: path for kind, path in paths.items() if path is not None}
-    command = shlex.join(["pytest", *config.invocation_params.args])
+    if getattr(config, "conformance_stream", None):
+        config.conformance_stream.close()
     doc = None
     for kind, path in paths.items():
         try:
-            doc = doc or report.document(config.conformance_recorder,
-                                         report.environment(command=command, backends=config.conformance_backends.values(),
-                                                            threads=config.conformance_threads),
+            doc = doc or report.document(config.conformance_recorder, _environment(config),
                                          config.conformance_deviations.entries)
             written = report.dump(doc, path) if kind == "JSON" else report.write_html(path, [doc])
         except Exception as e:  # noqa: BLE001 - the suite's fault or a bad path: said, the run exits 6, nothing lost

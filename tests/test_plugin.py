@@ -10,12 +10,15 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from gemma4_conformance import report
 from gemma4_conformance.plugin import (
     EXIT_BROKEN,
     EXIT_CONFORMANT,
@@ -74,6 +77,33 @@ def test_a_result_beyond_budget_exits_1_and_the_reports_rerun_command_reproduces
     assert re.search(r"rerun: pytest -p gemma4_conformance.plugin --pyargs .*-rms\]", out)  # the minimal case
     done = rerun_elsewhere(tmp_path, rerun)
     assert done.returncode == EXIT_NOT_CONFORMANT and "1 failed" in done.stdout, done.stdout[-3000:]
+
+
+def test_a_run_killed_part_way_leaves_a_report_of_every_test_it_finished(tmp_path):
+    """The JSON report streams (report.Stream): kill -9 once two tests have finished, and it holds both
+    (and nothing of the test under way), readable by report.load and by gemma4-conformance-report merge."""
+    report_json = tmp_path / "report.json"
+    command = [sys.executable, "-m", "pytest", "-p", "gemma4_conformance.plugin", "--pyargs", "gemma4_conformance",
+               "--backend=numpy", "--dtype=float32", "--hypothesis-profile=ci", "-p", "no:cacheprovider",
+               f"--report-json={report_json}", "--report-html=", "-v",
+               "-k", "test_matches_oracle and (-rms] or -sigmoid] or -silu] or -softmax] or -linear] or -l2norm])"]
+    run = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 300
+    while not (report_json.exists() and report_json.read_text().count("\n") >= 3) and run.poll() is None:
+        assert time.monotonic() < deadline  # a header line, then one per finished test: kill after two
+        time.sleep(0.05)
+    run.send_signal(signal.SIGKILL)
+    out, _ = run.communicate()
+    assert run.returncode == -signal.SIGKILL, out[-3000:]
+    passed = re.findall(r"test_matches_oracle\[numpy-float32-(\w+)\] PASSED", out)  # pytest -v, in run order
+    finished = report_json.read_text().count("\n") - 1  # whole lines past the header (pytest -v prints first)
+    doc = report.load(report_json)
+    assert f"after {finished} finished tests" in doc["partial"] and len(passed) >= finished >= 2
+    assert {r["op"]: r["outcome"] for r in doc["results"]} == dict.fromkeys(passed[:finished], "passed")
+    merged = subprocess.run([sys.executable, "-m", "gemma4_conformance.report", "merge", str(tmp_path / "m.html"),
+                             str(report_json)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert merged.returncode == 0 and (tmp_path / "m.html").exists(), merged.stderr
 
 
 def test_a_wrong_forward_exits_1_and_its_rerun_command_reproduces_it(tmp_path):

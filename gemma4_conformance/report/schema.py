@@ -54,6 +54,8 @@ DOCUMENT_FIELDS = {
     "problems": Field(list, "array: the tests that broke rather than failed (below); when not empty the run's "
                             "verdict is incomplete and it exited 6"),
     "deviations": Field(list, "array: the entries of the known-deviations files the run was given (below)"),
+    "partial": Field(None, "string (optional): present only in a document read back from a run's stream (a run "
+                           "killed before it wrote its whole report): what it holds"),
 }
 NUMBERS = ("Numbers.  JSON has no infinities or NaN: a measured value that is not finite is written as the "
            "string `\"inf\"`, `\"-inf\"` or `\"nan\"` (`number()` reads any number field back as a float).  "
