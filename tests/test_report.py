@@ -172,6 +172,7 @@ def test_the_schema_names_every_field_a_document_carries(doc):
                                   differing=3, worst=Difference(0, 10, 3, 1.5e4, "against alone", SCHEDULE))
     ops = OpInvarianceRecord("torch", "float32", "linear", 2, 36, 4, 9.0, "layers.0.q: rows 0..0 alone")
     doc = {**doc, "invariance": [data.invariance_entry(invariance)], "op_invariance": [data.op_invariance_entry(ops)]}
+    doc["partial"] = "read back from a stream"  # only there (report.Stream)
     assert set(doc) == set(schema.DOCUMENT_FIELDS)
     assert set(doc["environment"]) - {"label"} <= set(schema.ENVIRONMENT_FIELDS)  # label: an extra key given
     for key, fields in (("results", schema.RESULT_FIELDS), ("relations", schema.RELATION_FIELDS),
