@@ -79,6 +79,21 @@ def test_a_result_beyond_budget_exits_1_and_the_reports_rerun_command_reproduces
     assert done.returncode == EXIT_NOT_CONFORMANT and "1 failed" in done.stdout, done.stdout[-3000:]
 
 
+def test_a_kernel_that_refuses_gemmas_global_head_dimension_is_unsupported_in_one_line_not_broken(tmp_path):
+    """jax-sdpa[implementation=cudnn] states cuDNN's head-dimension limit: Gemma 4's global layers (512)
+    make the attention ops unsupported, said in one line each, apart from an adapter that crashes."""
+    status, out, doc = suite(tmp_path, "--backend=tests.cudnn_on_cpu:ADAPTER", "--dtype=bfloat16", "-k",
+                             "test_matches_oracle and (-decode_gqa] or -sigmoid])")
+    assert status == EXIT_CONFORMANT and not doc["problems"], out[-3000:]
+    assert outcomes(doc) == {"decode_gqa": "unsupported", "sigmoid": "passed"}
+    [refused] = [r for r in doc["results"] if r["op"] == "decode_gqa"]
+    line = ("cannot run Gemma 4's global attention (head dimension 512): jax-sdpa-implementation-cudnn.decode_gqa "
+            "in bfloat16: cuDNN's fused attention takes head dimensions up to 256 that are multiples of 8, not 512")
+    assert refused["message"] == line and "decode_gqa]" in refused["rerun"]
+    assert [row for row in out.splitlines() if "decode_gqa" in row and "unsupported" in row] == [
+        f"jax-sdpa-implementation-cudnn bfloat16  decode_gqa      unsupported     {line}"], out[-3000:]
+
+
 def test_a_run_killed_part_way_leaves_a_report_of_every_test_it_finished(tmp_path):
     """The JSON report streams (report.Stream): kill -9 once two tests have finished, and it holds both
     (and nothing of the test under way), readable by report.load and by gemma4-conformance-report merge."""

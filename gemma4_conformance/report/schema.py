@@ -126,7 +126,8 @@ RESULT_FIELDS = {
                                             "that `--case` takes); for an \"errored\" op the case the backend "
                                             "broke on; or null"),
     "rerun": Field(str, 'the shell command that reruns exactly that case ("" when none was recorded)'),
-    "message": Field(str, 'the worst example\'s failure message, or the error ("" when the op passed)'),
+    "message": Field(str, 'the worst example\'s failure message, the error, or (unsupported) why the adapter '
+                          'refused the op\'s arguments ("" when the op passed or is not implemented)'),
     "histogram": Field(list, "array of numbers: each example's largest error as a fraction of its own budget "
                              "(above 1 is beyond it), 4 significant digits, in the order drawn; above "
                              f"{HISTOGRAM_CAP} examples, {HISTOGRAM_CAP} order statistics evenly spaced from the "
