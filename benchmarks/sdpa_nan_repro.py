@@ -1,8 +1,8 @@
 """Which kernel of torch's scaled_dot_product_attention returns NaN at scale 0 over a single key: a
 reproduction that needs torch alone, for an upstream report (docs/gpu.md).
 
-    python benchmarks/sdpa_nan_repro.py                  # on CUDA (the default)
-    python benchmarks/sdpa_nan_repro.py --device=cpu     # the same calls on the CPU
+    python -m benchmarks.sdpa_nan_repro                  # on CUDA (the default), from the repository
+    python -m benchmarks.sdpa_nan_repro --device=cpu     # the same calls on the CPU
 
 The case is the one the suite's torch-sdpa job failed on an H200 (2026-12-04, torch 2.11.0+cu130):
 bf16 decode, one query head over one key of head dimension 1, ``scale=0.0``, q = k = v = 0.1259765625
