@@ -6,14 +6,18 @@ attention), one merged report, each verdict matrix's summary and the wall times.
     benchmarks/gpu_run.sh --out=$OUT --deadline=420 --only=torch,jax
 
 Each backend configuration is its own pytest process (``pytest --backend=SPEC --device=DEVICE``, the
-default Hypothesis profile), all run side by side (the oracle is single-threaded and dominates; a GPU
-is shared well by a dozen small processes), each stopped with SIGINT at ``--deadline`` seconds so
-that it still writes its report.  Then the reports are merged into one page and the summary is
-printed and written beside it.  ``--out`` receives (the device tool returns at most eight files, 16 MiB
-each): ``gpu.html`` (the merged page), ``summary.txt`` (what is printed), ``runs.tar.gz`` (each job's
-JSON report and log) and, per library, ``traces-JOB.tar.gz``.
+default Hypothesis profile, the test kinds in the order of ``KINDS``), all run side by side (the
+oracle is single-threaded and dominates; a GPU is shared well by a dozen small processes), each
+stopped with SIGINT at ``--deadline`` seconds so that it still writes its report, and killed
+``KILL_AFTER`` seconds later if it has not stopped (its report's stream keeps every test it
+finished).  Then the reports are merged into one page and the summary is printed and written beside
+it, ending with the closing lines (``closing``: the reports each job left, jax's compile time).
+``--out`` receives (the device tool returns at most eight files, 16 MiB each): ``gpu.html`` (the
+merged page), ``summary.txt`` (what is printed), ``runs.tar.gz`` (each job's JSON report and log),
+per library ``traces-JOB.tar.gz`` and, on a GPU, ``sdpa-nan.txt`` (``sdpa_nan_check``).
 
-The record step: each library's first job runs its forward once more, in bf16 (the forward test
+Beside the jobs run the record step and, on a GPU, the SDPA NaN check.  The record step: each
+library's first job runs its forward once more, in bf16 (the forward test
 alone, no oracle work), with ``--record-traces``, so its trace files (every node of the generated
 checkpoint, about 10 MB) can be judged on any CPU: ``python -m gemma4_conformance.checkpoints.generate
 CKPT`` writes the same checkpoint (the file's checkpoint_sha256 says so), then ``gemma4-conformance
@@ -27,13 +31,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +72,19 @@ JOBS = [
     Job("jax-sdpa-cudnn", "jax-sdpa[implementation=cudnn]", "jax", "jax.nn.dot_product_attention through cuDNN",
         gpu_only=True),
 ]
+# The test kinds in the order each job runs them (pytest keeps the order of its arguments): the few
+# whole-model tests first, then the theorems, then the op tests, which take the rest of the deadline
+# (docs/gpu.md: what each took on the H200, and what is left).
+KINDS = tuple(f"gemma4_conformance.properties.{kind}" for kind in
+              ("test_forward", "test_serving", "test_invariance", "test_relations", "test_agreement"))
+KILL_AFTER = 30  # seconds after its SIGINT that a job still running is killed (its report's stream stays)
 QUICK_OPS = "test_matches_oracle and (-linear] or -causal_gqa] or -rmsnorm])"  # --quick: a matmul, attention, a norm
+# The bf16 decode that torch-sdpa returned NaN for on the H200 (2026-12-04): rerun with each SDPA kernel
+# forced (sdpa_nan_check), beside benchmarks/sdpa_nan_repro.py's torch-only calls.
+SDPA_NAN_CASE = ('{"args":{"scale":0.0,"q":{"shape":[1,1,1],"dist":"normal","log2":0,"seed":0},'
+                 '"k":{"shape":[1,1,1],"dist":"normal","log2":0,"seed":0},'
+                 '"v":{"shape":[1,1,1],"dist":"integers","log2":0,"seed":1}},"offset":0}')
+SDPA_KERNELS = ("", "cudnn", "flash", "efficient", "math")  # "": torch's choice
 CERTIFICATION = "test_reference_is_certified_by_the_oracle"  # the suite's own check of its reference: once per run
 RECORDING = "test_forward_matches_reference"  # the record step's test: the forward, its trace file written
 
@@ -105,9 +121,10 @@ def _env() -> dict:
 
 
 def command(job: Job, args, report: Path, first: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", "-p", "gemma4_conformance.plugin", "--pyargs", "gemma4_conformance",
+    cmd = [sys.executable, "-m", "pytest", "-p", "gemma4_conformance.plugin", "--pyargs", *KINDS,
            f"--backend={job.spec}", f"--device={args.device}", f"--hypothesis-profile={args.profile}",
-           "-p", "no:cacheprovider", f"--report-json={report}", "--report-html=", "-q", "--no-header"]
+           "-p", "no:cacheprovider", f"--report-json={report}", "--report-html=", "-q", "--no-header",
+           "--durations=60"]
     keywords = ([QUICK_OPS] if args.quick else []) + ([] if first else [f"not {CERTIFICATION}"])
     if keywords:
         cmd += ["-k", " and ".join(f"({k})" for k in keywords)]
@@ -140,7 +157,7 @@ def run(jobs: list[Job], args, work: Path) -> dict[str, dict]:
                 if elapsed > args.deadline and not results.get(name, {}).get("interrupted"):
                     os.killpg(process.pid, signal.SIGINT)
                     results[name] = {"interrupted": True}
-                elif elapsed > args.deadline + 60:
+                elif elapsed > args.deadline + KILL_AFTER:
                     os.killpg(process.pid, signal.SIGKILL)
                 continue
             log.close()
@@ -149,6 +166,59 @@ def run(jobs: list[Job], args, work: Path) -> dict[str, dict]:
             print(f"[{time.monotonic() - start:6.0f} s] {name}: exit {process.returncode} after {elapsed:.0f} s"
                   + (" (stopped at the deadline)" if results[name].get("interrupted") else ""), flush=True)
     return results
+
+
+def sdpa_nan_check(args, out: Path) -> list[str]:
+    """Which SDPA kernel returns the NaN: the suite's rerun of the H200's failing case with each kernel
+    forced (``torch-sdpa[kernel=...]``), then benchmarks/sdpa_nan_repro.py; all of it in ``out``
+    (sdpa-nan.txt), and the summary's lines returned.  Run beside the jobs: it takes seconds."""
+    lines, text = [], []
+    for kernel in SDPA_KERNELS:
+        spec = f"torch-sdpa[kernel={kernel}]" if kernel else "torch-sdpa"
+        cmd = [sys.executable, "-m", "pytest", "-p", "gemma4_conformance.plugin", "--pyargs",
+               "gemma4_conformance.properties.test_agreement", f"--backend={spec}", f"--device={args.device}",
+               "-p", "no:cacheprovider", "--report-html=", "-q", "--no-header", "--dtype=bfloat16",
+               "-k", "test_matches_oracle and -decode_gqa]", f"--case={SDPA_NAN_CASE}"]
+        done = subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, env=_env(), timeout=300)
+        output = done.stdout + done.stderr
+        found = [line.strip() for line in output.splitlines() if "NaN in the output" in line
+                 or "No available kernel" in line or "not run" in line.lower()]
+        verdict = {0: "passed", 1: "failed"}.get(done.returncode, f"exit {done.returncode}")
+        lines.append(f"   {spec:<28} {verdict}" + (f": {found[0][:160]}" if found else ""))
+        text += [f"$ {' '.join(cmd)}", output, ""]
+    repro = [sys.executable, str(ROOT / "benchmarks" / "sdpa_nan_repro.py"), f"--device={args.device}"]
+    done = subprocess.run(repro, capture_output=True, text=True, env=_env(), timeout=300)
+    text += [f"$ {' '.join(repro)}", done.stdout + done.stderr]
+    out.write_text("\n".join(text))
+    last = (done.stdout.strip().splitlines() or [f"(exit {done.returncode}, no output)"])[-1]
+    return (["SDPA NaN check (bf16 decode_gqa, scale 0, one key; each kernel forced; details in "
+             f"{out.name}):"] + lines + [f"   sdpa_nan_repro.py: {last[:300]}"])
+
+
+def closing(jobs: list[Job], results: dict, work: Path) -> list[str]:
+    """What the closing note needs in one place: whether each job left its report (whole, or read from its
+    stream), and each jax job's compile share."""
+    from gemma4_conformance import report
+
+    whole, streamed, lost, shares = [], [], [], []
+    for job in jobs:
+        try:
+            doc = report.load(work / f"{job.name}.json")
+        except report.ReportError:
+            lost.append(job.name)
+            continue
+        (streamed if "partial" in doc else whole).append(job.name)
+        backend = sum(r.get("seconds", {}).get("backend", 0.0) for r in doc["results"])
+        for described in doc["environment"].get("backends", {}).values():
+            if "compile_seconds" in described:
+                shares.append(f"{job.name} {described['compile_seconds']:.0f} s compiling, {backend:.0f} s in the "
+                              f"backend's op calls (exit {results[job.name].get('status')})")
+    lines = [f"reports: {len(whole) + len(streamed)} of {len(jobs)} jobs left one"
+             + (f" ({len(streamed)} read from the stream of a job that was killed: {', '.join(streamed)})"
+                if streamed else " (all whole)") + (f"; LOST: {', '.join(lost)}" if lost else "")]
+    if shares:
+        lines.append("jax compile time (the process's, shared persistent cache): " + "; ".join(shares))
+    return lines
 
 
 def record(jobs: list[Job], args, work: Path) -> list[str]:
@@ -185,23 +255,32 @@ def record(jobs: list[Job], args, work: Path) -> list[str]:
 def summarize(job: Job, result: dict, work: Path) -> list[str]:
     """A job's verdict matrix in a few lines: per dtype the ops passed, failed, errored; its failures;
     the forward and theorems; where the time went; the device and math modes."""
+    from gemma4_conformance import report  # after preflight: the suite's dependencies are there
+    from gemma4_conformance.report.formatting import shown
+
     lines = [f"== {job.name}  (--backend={job.spec}): {job.why}"]
     path = work / f"{job.name}.json"
     status = result.get("status")
     lines.append(f"   exit {status}, wall {result.get('wall', 0):.0f} s"
                  + (", stopped at the deadline: results are partial" if result.get("interrupted") else ""))
-    if not path.exists():
+    try:
+        doc = report.load(path)
+    except report.ReportError as e:
         log = (work / f"{job.name}.log").read_text(errors="replace").strip().splitlines()
         usage = [line for line in log if "ERROR" in line or "error" in line.lower()]
-        lines.append(f"   no report: {(usage or log or ['(empty log)'])[-1][:300]}")
+        lines.append(f"   no report ({e}): {(usage or log or ['(empty log)'])[-1][:300]}")
         return lines
-    doc = json.loads(path.read_text())
+    if "partial" in doc:
+        lines.append(f"   report read from its stream: {doc['partial']}")
     for name, described in doc["environment"].get("backends", {}).items():
         where, kind = described.get("device"), described.get("device_name")
         lines.append(f"   {name} on {where}{f' ({kind})' if kind and kind != 'cpu' else ''}; "
                      f"{described.get('math_summary', '')}")
         if described.get("sdpa_kernels_run"):
             lines.append(f"   SDPA kernels run: {described['sdpa_kernels_run']}")
+        if "compile_seconds" in described:
+            lines.append(f"   jax compiled for {described['compile_seconds']:.1f} s in all (tracing, lowering, "
+                         f"compiling; {described['persistent_cache_hits']} programs from the persistent cache)")
     dtypes = []
     for r in doc["results"]:
         if r["dtype"] not in dtypes:
@@ -216,9 +295,10 @@ def summarize(job: Job, result: dict, work: Path) -> list[str]:
         lines.append(f"   {dtype:<9} " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
                      + (f"; least headroom {closest['op']} {closest['headroom']:.3g}x" if closest else ""))
     for r in doc["results"]:
+        if r["outcome"] == "unsupported" and r["message"]:  # arguments the adapter refused (a stated limit)
+            lines.append(f"   UNSUPPORTED {r['dtype']:<9} {r['op']:<14} {r['message'][:200]}")
         if r["outcome"] in ("failed", "errored", "known deviation"):
-            over = (f"{r['worst_ulps']:.4g} ULPs / budget {r['budget_ulps']:.4g}" if isinstance(r["worst_ulps"], float)
-                    else "")
+            over = f"{shown(r['worst_ulps'])} ULPs / budget {shown(r['budget_ulps'])}"
             lines.append(f"   {r['outcome'].upper():<8} {r['dtype']:<9} {r['op']:<14} {over}  {r['message'][:160]}")
     for f in doc["forward"]:
         lines.append(f"   forward {f['dtype']}: {f['outcome']}" + (f" ({f['failures'][0][:160]})" if f["failures"] else ""))
@@ -270,12 +350,26 @@ def main(argv=None) -> int:
         work = Path(tmp)
         print(f"running {len(jobs)} jobs ({args.jobs} at a time) on {args.device}, profile {args.profile}, "
               f"deadline {args.deadline:.0f} s each", flush=True)
+        # Beside the jobs (a few processes, seconds each), so that they add nothing to the wall time: the
+        # record step and, on a GPU, the SDPA NaN check.  Each returns its summary lines.
+        beside = {"record": lambda: record(jobs, args, work)}
+        if on_gpu and any(job.library == "torch" for job in jobs):
+            beside["sdpa"] = lambda: sdpa_nan_check(args, args.out / "sdpa-nan.txt")
+        found = {}
+        threads = [threading.Thread(target=lambda name=name, step=step: found.setdefault(name, step()))
+                   for name, step in beside.items()]
+        for thread in threads:
+            thread.start()
         results = run(jobs, args, work)
         lines = [f"gpu_run on {args.device}, profile {args.profile}{' (quick)' if args.quick else ''}: "
                  f"{len(jobs)} jobs, wall {time.monotonic() - begun:.0f} s"] + notes
         for job in jobs:
             lines += summarize(job, results[job.name], work)
-        lines += record(jobs, args, work)
+        for thread in threads:
+            thread.join()
+        for name in beside:
+            lines += found.get(name, [f"the {name} step raised (its traceback is above)"])
+        lines += closing(jobs, results, work)
         reports = [work / f"{job.name}.json" for job in jobs if (work / f"{job.name}.json").exists()]
         if reports:
             from gemma4_conformance import report

@@ -7,7 +7,8 @@
 
 Judging runs only the suite's recorded-run tests (properties/test_recorded.py), two per file (its
 nodes, its forward), so the report, known deviations and exit codes are the plugin's: 0 conformant,
-1 not, 6 a broken file (every breach named with its file and node), 4 a usage error.  A file is
+1 not, 6 a broken file (every breach named with its file and node; a file that is not a trace file at
+all is one line and judges nothing), 4 a usage error.  A file is
 labelled in the report ``ENGINE (FILE NAME)``; a known-deviations entry takes the engine's name.
 Registered by plugin.py; its hooks touch only the suite's tests.
 """
@@ -21,18 +22,20 @@ import pytest
 
 from gemma4_conformance import tracefile
 from gemma4_conformance.checkpoints import checkpoint
+from gemma4_conformance.report.record import Problem
 
 RECORDED = ("trace_file", "forward_file")  # the recorded-run tests' parameters
 
 
 @dataclass(frozen=True)
 class RecordedFile:
-    """A trace file to judge, as collection sees it: the engine and dtype its metadata names ("?" when it
-    cannot be read; the test then says why)."""
+    """A trace file to judge, as collection sees it: the engine and dtype its metadata names, or why it
+    is no trace file (``unreadable``: its tests are not collected; the run is broken, exit 6)."""
 
     path: str
     engine: str
     dtype: str
+    unreadable: str = ""
 
     @property
     def label(self) -> str:
@@ -76,14 +79,18 @@ def pytest_configure(config):
             files.append(path)
         else:
             raise pytest.UsageError(f"--judge-traces: {path} is neither a file nor a folder")
-    config.conformance_recorded = [_described(path) for path in files]
+    described = [_described(path) for path in files]
+    config.conformance_recorded = [f for f in described if not f.unreadable]
+    if not hasattr(config, "workerinput"):  # the controller's: xdist workers would say it once each
+        config.conformance_recorder.problems += [Problem("trace file", "read", f.unreadable) for f in described
+                                                 if f.unreadable]
 
 
 def _described(path: Path) -> RecordedFile:
     try:
         meta = tracefile.read(path).metadata
-    except tracefile.TraceFileError:
-        meta = {}
+    except tracefile.TraceFileError as e:
+        return RecordedFile(str(path), "?", "?", str(e))
     return RecordedFile(str(path), meta.get("engine", "?"), meta.get("dtype", "?"))
 
 
@@ -107,11 +114,13 @@ def pytest_generate_tests(metafunc):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Judging files runs only the recorded-run tests (before the plugin counts and marks the suite's)."""
-    if not config.conformance_recorded:
+    if not config.getoption("--judge-traces"):
         return
+    # (with no readable file, a recorded-run test's parameter is pytest's empty-set marker: left out too)
     other = [item for item in items if getattr(item, "module", None) is not None
              and item.module.__name__.startswith("gemma4_conformance.")
-             and not set(RECORDED) & set(getattr(getattr(item, "callspec", None), "params", {}))]
+             and not any(isinstance(value, RecordedFile)
+                         for value in getattr(getattr(item, "callspec", None), "params", {}).values())]
     if other:
         config.hook.pytest_deselected(items=other)
         items[:] = [item for item in items if item not in other]

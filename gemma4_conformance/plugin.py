@@ -353,22 +353,50 @@ def exit_status(config, exitstatus: int) -> int:
     """pytest's status, with 6 for a run that broke or whose report could not be written (it wins over
     1: the verdict is incomplete)."""
     broke = config.conformance_recorder.problems or not all(written for _, written in config.conformance_reports)
-    if int(exitstatus) in (EXIT_CONFORMANT, EXIT_NOT_CONFORMANT) and broke:
+    nothing_else = pytest.ExitCode.NO_TESTS_COLLECTED  # every test's input broke (a trace file that is none)
+    if int(exitstatus) in (EXIT_CONFORMANT, EXIT_NOT_CONFORMANT, nothing_else) and broke:
         return EXIT_BROKEN
     return int(exitstatus)
+
+
+def _environment(config) -> dict:
+    command = shlex.join(["pytest", *config.invocation_params.args])
+    return report.environment(command=command, backends=config.conformance_backends.values(),
+                              threads=config.conformance_threads)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Stream the JSON report (report.Stream): a line per finished test of the suite, so that a run killed
+    before its end (a job past its deadline that ignores SIGINT) leaves every finished test's verdict.
+    Not in pytest-xdist workers: the controller writes the report at the end."""
+    outcome = yield
+    config = item.config
+    path = config.getoption("--report-json")
+    if path is None or hasattr(config, "workerinput") or not in_suite(item):
+        return outcome
+    stream = getattr(config, "conformance_stream", None)
+    if stream is None:
+        stream = config.conformance_stream = report.Stream(path, _environment(config),
+                                                           config.conformance_deviations.entries)
+    if stream:
+        try:
+            stream.update(config.conformance_recorder, item.nodeid)
+        except OSError:  # a path that cannot be written: said when the whole report cannot be either
+            config.conformance_stream = False
+    return outcome
 
 
 def write_reports(config) -> None:
     """Write the JSON and HTML reports, each on its own, so that one that fails leaves the other."""
     paths = {"JSON": config.getoption("--report-json"), "HTML": config.getoption("--report-html") or None}
     paths = {kind: path for kind, path in paths.items() if path is not None}
-    command = shlex.join(["pytest", *config.invocation_params.args])
+    if getattr(config, "conformance_stream", None):
+        config.conformance_stream.close()
     doc = None
     for kind, path in paths.items():
         try:
-            doc = doc or report.document(config.conformance_recorder,
-                                         report.environment(command=command, backends=config.conformance_backends.values(),
-                                                            threads=config.conformance_threads),
+            doc = doc or report.document(config.conformance_recorder, _environment(config),
                                          config.conformance_deviations.entries)
             written = report.dump(doc, path) if kind == "JSON" else report.write_html(path, [doc])
         except Exception as e:  # noqa: BLE001 - the suite's fault or a bad path: said, the run exits 6, nothing lost
@@ -386,7 +414,8 @@ def pytest_sessionfinish(session, exitstatus):
     if getattr(config, "conformance_usage_error", None):
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
         return
-    if getattr(config, "conformance_collected", 0) and not config.option.collectonly:  # nothing judged, no report
+    judged = getattr(config, "conformance_collected", 0) or config.conformance_recorder.problems
+    if judged and not config.option.collectonly:  # nothing judged and nothing broke: no report
         write_reports(config)
     session.exitstatus = exit_status(config, exitstatus)
 
@@ -430,7 +459,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"ERROR: {config.conformance_usage_error}", red=True)
         return
     recorder = getattr(config, "conformance_recorder", None)
-    if recorder is None or not getattr(config, "conformance_collected", 0):
+    if recorder is None or not (getattr(config, "conformance_collected", 0) or recorder.problems):
         return  # not a run of the suite's tests
     deviations = config.conformance_deviations
     if deviations.entries:

@@ -136,6 +136,16 @@ def test_the_report_lists_each_backends_device_and_math_modes(tmp_path):
     assert all(r["seconds"]["oracle"] > 0 and r["seconds"]["backend"] > 0 for r in doc["results"])
 
 
+def test_a_jax_backends_environment_gives_the_seconds_it_spent_compiling():
+    """jax.monitoring's compile durations, summed: on a GPU most of a jax run's backend time (docs/gpu.md)."""
+    adapter = adapters.load("jax")
+    before = adapter.environment()["compile_seconds"]
+    adapter.softcap(30.0, np.linspace(-3, 3, 11, dtype=np.float32))  # a shape the process has not compiled
+    env = adapter.environment()
+    assert env["compile_seconds"] > before and isinstance(env["persistent_cache_hits"], int)
+    assert env["compilation_cache"] != "off"
+
+
 def test_forced_math_modes_last_only_as_long_as_the_op():
     before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
     adapter = adapters.load("torch[tf32=on,reduced=off]")

@@ -9,7 +9,10 @@ import sys
 import tarfile
 from pathlib import Path
 
+from benchmarks import gpu_run
+from gemma4_conformance import report
 from gemma4_conformance.checkpoints import checkpoint, generate
+from gemma4_conformance.report.record import Recorder
 from gemma4_conformance.properties import recorded
 from gemma4_conformance.spec.model import nodes
 
@@ -29,6 +32,7 @@ def test_the_gpu_run_script_runs_its_jobs_on_the_cpu_and_writes_the_merged_repor
     assert "== torch-tf32-on  (--backend=torch[tf32=on])" in summary and "exit 0" in summary
     assert "torch-tf32-on on cpu; float32 matmuls in IEEE float32" in summary
     assert "float32   3 passed" in summary and "time in the op tests: backend" in summary
+    assert "reports: 1 of 1 jobs left one (all whole)" in summary
     with tarfile.open(tmp_path / "runs.tar.gz") as bundle:
         assert set(bundle.getnames()) == {"torch-tf32-on.json", "torch-tf32-on.log"}
     assert "torch-tf32-on" in (tmp_path / "gpu.html").read_text()
@@ -40,3 +44,23 @@ def test_the_gpu_run_script_runs_its_jobs_on_the_cpu_and_writes_the_merged_repor
     weights = checkpoint.load(generate.write_checkpoint(tmp_path / "ckpt", generate.small_config()))
     found = recorded.load(tmp_path / "traces" / "torch-tf32-on-float32.safetensors", weights)
     assert not found.breaches and len(found.trace) == len(nodes(weights.config))  # every node, on these weights
+
+
+def test_the_summary_reads_the_stream_of_a_job_that_was_killed(tmp_path):
+    """A job killed past its deadline leaves its report's stream (report.Stream): the summary and the closing
+    lines read its finished tests from it."""
+    recorder = Recorder()
+    rms = recorder("torch", "float32", "rms")
+    rms.add(0.25, 0.5, {"args": {}}, "pytest ...")
+    rms.outcome = "passed"
+    stream = report.Stream(tmp_path / "torch.json", report.environment())
+    stream.update(recorder, "test_matches_oracle[torch-float32-rms]")
+    stream.close()
+    (tmp_path / "torch.json").open("a").write('{"test": "cut sho')  # the line the kill cut
+    job = gpu_run.JOBS[0]
+    result = {"status": -9, "wall": 450.0, "interrupted": True}
+    lines = gpu_run.summarize(job, result, tmp_path)
+    assert any("report read from its stream: the run stopped after 1 finished test," in line for line in lines)
+    assert any(line.strip() == "float32   1 passed; least headroom rms 2x" for line in lines), lines
+    assert gpu_run.closing([job], {job.name: result}, tmp_path)[0] == (
+        "reports: 1 of 1 jobs left one (1 read from the stream of a job that was killed: torch)")

@@ -113,3 +113,19 @@ def test_usage_errors_exit_4_and_say_what_is_wrong(tmp_path, folder):
     assert done.returncode == 4 and "--weights" in done.stderr
     done = pytest_run(tmp_path, "--pyargs", "gemma4_conformance", f"--judge-traces={tmp_path}")
     assert done.returncode == 4 and "--judge-traces needs --weights" in done.stderr + done.stdout
+
+
+def test_a_file_that_is_no_trace_file_is_one_line_and_exit_6(tmp_path, folder):
+    """Each file that cannot be read is named once, with what is wrong, and nothing of the suite's code."""
+    garbage, short = tmp_path / "garbage.safetensors", tmp_path / "short.safetensors"
+    garbage.write_bytes(bytes(range(256)) * 8)
+    short.write_text("hello\n")
+    done = judge(tmp_path, str(garbage), str(short), f"--weights={folder}", f"--report-json={tmp_path / 'r.json'}")
+    out = done.stdout + done.stderr
+    assert done.returncode == 6, out[-3000:]
+    for path in (garbage, short):
+        [line] = [line for line in out.splitlines() if str(path) in line]
+        assert line.startswith(f"trace file (read): {path}: "), out
+    assert "Traceback" not in out and "test_recorded.py" not in out and "def " not in out, out
+    problems = json.loads((tmp_path / "r.json").read_text())["problems"]
+    assert [p["message"].split(":")[0] for p in problems] == [str(garbage), str(short)]

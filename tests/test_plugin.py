@@ -10,12 +10,15 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from gemma4_conformance import report
 from gemma4_conformance.plugin import (
     EXIT_BROKEN,
     EXIT_CONFORMANT,
@@ -69,10 +72,53 @@ def test_a_result_beyond_budget_exits_1_and_the_reports_rerun_command_reproduces
     rms = next(r for r in doc["results"] if r["op"] == "rms")
     # The message, the error and the rerun command all describe the worst example, not the shrunk one.
     assert rms["message"].startswith(f"error {rms['worst_ulps']:.4g} ULPs at the op's scale")
+    assert "np.float" not in rms["message"] and re.search(r"got -?[0-9]", rms["message"]), rms["message"]  # plain numbers
     rerun = rms["rerun"]
     assert re.search(r"rerun: pytest -p gemma4_conformance.plugin --pyargs .*-rms\]", out)  # the minimal case
     done = rerun_elsewhere(tmp_path, rerun)
     assert done.returncode == EXIT_NOT_CONFORMANT and "1 failed" in done.stdout, done.stdout[-3000:]
+
+
+def test_a_kernel_that_refuses_gemmas_global_head_dimension_is_unsupported_in_one_line_not_broken(tmp_path):
+    """jax-sdpa[implementation=cudnn] states cuDNN's head-dimension limit: Gemma 4's global layers (512)
+    make the attention ops unsupported, said in one line each, apart from an adapter that crashes."""
+    status, out, doc = suite(tmp_path, "--backend=tests.cudnn_on_cpu:ADAPTER", "--dtype=bfloat16", "-k",
+                             "test_matches_oracle and (-decode_gqa] or -sigmoid])")
+    assert status == EXIT_CONFORMANT and not doc["problems"], out[-3000:]
+    assert outcomes(doc) == {"decode_gqa": "unsupported", "sigmoid": "passed"}
+    [refused] = [r for r in doc["results"] if r["op"] == "decode_gqa"]
+    line = ("cannot run Gemma 4's global attention (head dimension 512): jax-sdpa-implementation-cudnn.decode_gqa "
+            "in bfloat16: cuDNN's fused attention takes head dimensions up to 256 that are multiples of 8, not 512")
+    assert refused["message"] == line and "decode_gqa]" in refused["rerun"]
+    assert [row for row in out.splitlines() if "decode_gqa" in row and "unsupported" in row] == [
+        f"jax-sdpa-implementation-cudnn bfloat16  decode_gqa      unsupported     {line}"], out[-3000:]
+
+
+def test_a_run_killed_part_way_leaves_a_report_of_every_test_it_finished(tmp_path):
+    """The JSON report streams (report.Stream): kill -9 once two tests have finished, and it holds both
+    (and nothing of the test under way), readable by report.load and by gemma4-conformance-report merge."""
+    report_json = tmp_path / "report.json"
+    command = [sys.executable, "-m", "pytest", "-p", "gemma4_conformance.plugin", "--pyargs", "gemma4_conformance",
+               "--backend=numpy", "--dtype=float32", "--hypothesis-profile=ci", "-p", "no:cacheprovider",
+               f"--report-json={report_json}", "--report-html=", "-v",
+               "-k", "test_matches_oracle and (-rms] or -sigmoid] or -silu] or -softmax] or -linear] or -l2norm])"]
+    run = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 300
+    while not (report_json.exists() and report_json.read_text().count("\n") >= 3) and run.poll() is None:
+        assert time.monotonic() < deadline  # a header line, then one per finished test: kill after two
+        time.sleep(0.05)
+    run.send_signal(signal.SIGKILL)
+    out, _ = run.communicate()
+    assert run.returncode == -signal.SIGKILL, out[-3000:]
+    passed = re.findall(r"test_matches_oracle\[numpy-float32-(\w+)\] PASSED", out)  # pytest -v, in run order
+    finished = report_json.read_text().count("\n") - 1  # whole lines past the header (pytest -v prints first)
+    doc = report.load(report_json)
+    assert f"after {finished} finished tests" in doc["partial"] and len(passed) >= finished >= 2
+    assert {r["op"]: r["outcome"] for r in doc["results"]} == dict.fromkeys(passed[:finished], "passed")
+    merged = subprocess.run([sys.executable, "-m", "gemma4_conformance.report", "merge", str(tmp_path / "m.html"),
+                             str(report_json)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert merged.returncode == 0 and (tmp_path / "m.html").exists(), merged.stderr
 
 
 def test_a_wrong_forward_exits_1_and_its_rerun_command_reproduces_it(tmp_path):
@@ -83,6 +129,18 @@ def test_a_wrong_forward_exits_1_and_its_rerun_command_reproduces_it(tmp_path):
     assert forward["outcome"] == "failed" and forward["rerun"] in out
     done = rerun_elsewhere(tmp_path, forward["rerun"])
     assert done.returncode == EXIT_NOT_CONFORMANT and "1 failed" in done.stdout, done.stdout[-3000:]
+
+
+def test_a_nan_found_by_a_drawn_example_is_an_ordinary_failure_with_its_rerun_command(tmp_path):
+    """Its error is infinite, which Hypothesis refuses as a search target: the NaN's failure stands."""
+    backend = "tests.faulty:ADAPTERS.decode_gqa_nan_for_short_caches"
+    status, out, doc = suite(tmp_path, f"--backend={backend}", "--dtype=bfloat16", "-k", "test_matches_oracle and -decode_gqa]")
+    assert status == EXIT_NOT_CONFORMANT and "InvalidArgument" not in out, out[-3000:]
+    [result] = doc["results"]
+    assert result["outcome"] == "failed" and not doc["problems"], result
+    assert result["message"].startswith("NaN in the output") and result["worst_ulps"] == "inf", result
+    done = rerun_elsewhere(tmp_path, result["rerun"])
+    assert done.returncode == EXIT_NOT_CONFORMANT and "NaN in the output" in done.stdout, done.stdout[-3000:]
 
 
 @pytest.mark.parametrize("adapter, evidence", [("sigmoid_raises", "raised RuntimeError: kernel not compiled"),

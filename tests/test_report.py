@@ -172,6 +172,7 @@ def test_the_schema_names_every_field_a_document_carries(doc):
                                   differing=3, worst=Difference(0, 10, 3, 1.5e4, "against alone", SCHEDULE))
     ops = OpInvarianceRecord("torch", "float32", "linear", 2, 36, 4, 9.0, "layers.0.q: rows 0..0 alone")
     doc = {**doc, "invariance": [data.invariance_entry(invariance)], "op_invariance": [data.op_invariance_entry(ops)]}
+    doc["partial"] = "read back from a stream"  # only there (report.Stream)
     assert set(doc) == set(schema.DOCUMENT_FIELDS)
     assert set(doc["environment"]) - {"label"} <= set(schema.ENVIRONMENT_FIELDS)  # label: an extra key given
     for key, fields in (("results", schema.RESULT_FIELDS), ("relations", schema.RELATION_FIELDS),
@@ -380,6 +381,16 @@ def test_the_failures_section_comes_first_and_names_the_op_and_its_rerun(page):
     assert SERVING_COMMAND in html.unescape(failures)  # with the schedule to rerun
     assert "no rerun command recorded" not in failures
     assert "softmax" not in failures
+
+
+def test_an_infinite_error_is_shown_as_inf_in_the_failures_table():
+    """A NaN output's error is infinite (the second tier's): its ULPs and "x over" say inf."""
+    recorder = Recorder()
+    _record(recorder, "torch-sdpa", "bfloat16", "decode_gqa", [0.5, float("inf")], 1.5, "failed",
+            "NaN in the output at (0, 0, 0) where the exact result is finite")
+    failures = _section(report.render([report.document(recorder, report.environment())]), "failures", "conformance")
+    [row] = re.findall(r"<tr><td>torch-sdpa</td>.*?</tr>", failures, re.S)
+    assert re.findall(r'<td class="num">([^<]*)</td>', row) == ["inf", "1.5", "inf"], row
 
 
 def test_theorems_known_deviations_and_problems_are_in_the_document(doc):

@@ -15,7 +15,13 @@ from gemma4_conformance.spec.model import nodes
 
 
 class Unsupported(Exception):
-    """The adapter does not implement the op (a skip, listed in the report, never an error)."""
+    """The adapter does not implement the op, or refuses these arguments' shapes (a limit it states by
+    raising this from the op, with why): a skip, listed in the report with the reason, never an error."""
+
+
+class Refused(Unsupported):
+    """The adapter refused these arguments: it raised ``Unsupported`` from the op (a shape beyond its
+    kernel's stated limits)."""
 
 
 class ContractViolation(Exception):
@@ -37,6 +43,8 @@ def call(adapter, op: str, args: tuple, dtype: str) -> np.ndarray:
     kwargs = {} if any(a.kind == "float" for a in CONTRACT[op].args) else {"dtype": dtype}
     try:
         out = fn(*(a.copy() if isinstance(a, np.ndarray) else a for a in args), **kwargs)
+    except Unsupported as e:
+        raise Refused(f"{where}: {e}") from None
     except Exception as e:
         raise ContractViolation(f"{where} raised {type(e).__name__}: {e}") from e
     if not isinstance(out, np.ndarray):

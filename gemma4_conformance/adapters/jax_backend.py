@@ -63,6 +63,27 @@ def _compilation_cache() -> None:
 
 _compilation_cache()
 
+# Seconds this process spent turning ops into programs (jax.monitoring's durations: tracing, lowering,
+# and compiling or reading the persistent cache), and the programs the cache gave: in each backend's
+# environment, as most of a jax run's time on a GPU is compiling (docs/gpu.md).
+COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration"}
+COMPILING = {"seconds": 0.0, "persistent_cache_hits": 0}
+
+
+def _compile_duration(event: str, duration: float, **_) -> None:
+    if event in COMPILE_EVENTS:
+        COMPILING["seconds"] += duration
+
+
+def _compile_event(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        COMPILING["persistent_cache_hits"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_compile_duration)
+jax.monitoring.register_event_listener(_compile_event)
+
 
 class MapBudget:
     """Clears JAX's in-memory programs (``jax.clear_caches``) whenever the process's memory maps pass
@@ -469,6 +490,9 @@ class JaxAdapter:
                                     f"the process's")
         effective = process if self.precision == "inherit" else self.precision
         env["math_summary"] = f"float32 matmul precision {effective or 'default'} (jax_default_matmul_precision)"
+        env["compile_seconds"] = round(COMPILING["seconds"], 3)  # the process's, all jax backends' together
+        env["persistent_cache_hits"] = COMPILING["persistent_cache_hits"]
+        env["compilation_cache"] = jax.config.jax_compilation_cache_dir or "off"
         if hasattr(self.kernels, "environment"):
             env.update(self.kernels.environment())
         return env

@@ -6,7 +6,9 @@ backend computes it.
   as query head h reads KV head h // G, the contract's mapping.  The mask is the [S, L] visibility as
   a boolean; decode sees every key and passes none.  The op's ``scale`` is passed through (the
   default would be 1/sqrt(D)).  ``implementation=xla`` (default) or ``cudnn`` (NVIDIA GPUs, bf16 and
-  fp16 only, so that backend declares only those dtypes).
+  fp16 only, so that backend declares only those dtypes; and head dimensions up to 256 that are
+  multiples of 8 (``HEAD_DIMS``): it raises ``Unsupported`` beyond them, so Gemma 4's global layers,
+  of head dimension 512, are reported as a configuration that cannot run them, not as a crash).
 * It is called eagerly, not under ``jax.jit``.  It asks for the dot algorithms BF16_BF16_F32 and
   F16_F16_F32 and falls back to the default precision where the platform lacks them, but that
   fallback (a ``try`` around the einsum) only sees errors raised while the einsum compiles, which
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from . import jax_backend
+from .contract import Unsupported
 from .jax_backend import PRECISION, JaxAdapter
 
 IMPLEMENTATIONS = ("xla", "cudnn")
@@ -41,9 +44,14 @@ NOT_FLOAT64 = ("jax.nn.dot_product_attention computes the softmax in float32 wha
                "so float64 is not declared (measured: up to 1e7 times the float64 budgets)")
 
 
+HEAD_DIMS = "cuDNN's fused attention takes head dimensions up to 256 that are multiples of 8"
+
+
 def _attend(scale, visible, q, k, v, implementation):
     """q [S, Hkv, G, D] over k, v [L, Hkv, D]; visible [S, L] or None (every key)."""
     S, Hkv, G, D = q.shape
+    if implementation == "cudnn" and (D > 256 or D % 8):  # stated here: jax raises NotImplementedError
+        raise Unsupported(f"{HEAD_DIMS}, not {D}")
     out = jax.nn.dot_product_attention(q.reshape(1, S, Hkv * G, D), k[None], v[None],
                                        mask=None if visible is None else visible[None, None],
                                        scale=scale, implementation=implementation)
@@ -75,7 +83,8 @@ class Kernels:
         return _attend(float(scale), None, q[None], k, v, self.implementation)[0]
 
     def environment(self) -> dict:
-        return {"attention": f"jax.nn.dot_product_attention(implementation={self.implementation!r}), called eagerly",
+        return {"attention": f"jax.nn.dot_product_attention(implementation={self.implementation!r}), called eagerly"
+                             + (f"; {HEAD_DIMS}" if self.implementation == "cudnn" else ""),
                 "dtypes_left_out": {"float64": NOT_FLOAT64} | ({"float32": "cuDNN's fused attention takes bf16 and "
                                                                            "fp16 only"}
                                                                if self.implementation == "cudnn" else {})}

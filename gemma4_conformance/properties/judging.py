@@ -298,12 +298,12 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
     overflow = np.isinf(got64) & np.isfinite(expected) & ~right_inf
     if overflow.any():
         failures.append(f"inf at {_coords(index, overflow)} where the exact result rounds to "
-                        f"{expected[overflow][0]!r} in {dtype}")
+                        f"{float(expected[overflow][0])!r} in {dtype}")
     zero_scale = (scale == 0) & (absolute == 0) & finite & (error != 0)
     undecided |= finite & (absolute == 0) & (scale > 0) & (scale <= rad)  # scale 0 or not: too close
     undecided |= zero_scale & (rad > 0)
     if zero_scale.any():
-        failures.append(f"{got64[zero_scale][0]!r} at {_coords(index, zero_scale)} where the exact result is 0 "
+        failures.append(f"{float(got64[zero_scale][0])!r} at {_coords(index, zero_scale)} where the exact result is 0 "
                         f"(a masked or exactly-zero output must be exactly 0)")
     over = finite & (ulps > allowed) & ~zero_scale
     undecided |= finite & ~zero_scale & ~(ulps_high <= allowed * (1 - _SLACK)) & (rad > 0)
@@ -314,8 +314,8 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
         expected[worst] = stage.rounded(mask)[worst]
         failures.append(
             f"error {ulps[worst]:.4g} ULPs at the op's scale > budget {allowed:.4g} ({b.formula}) at "
-            f"{_coords(index, worst)}: got {got64[worst]!r}, exact {float(exact64[worst])!r} "
-            f"(correctly rounded {expected[worst]!r}), scale {float(scale[worst]):.6g}")
+            f"{_coords(index, worst)}: got {float(got64[worst])!r}, exact {float(exact64[worst])!r} "
+            f"(correctly rounded {float(expected[worst])!r}), scale {float(scale[worst]):.6g}")
     tier1_allowance = allowed * spacing + absolute
     whole = np.zeros(got.shape, dtype=bool)  # a decision about the whole example too close to call
     uncertain = bool(np.any(rad > 0))

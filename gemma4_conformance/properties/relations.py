@@ -51,7 +51,7 @@ def compare(what: str, got, want, tolerance) -> list[str]:
     if not bad.any():
         return []
     i = tuple(int(j) for j in np.argwhere(bad)[0])
-    return [f"{what}: at {i} {got[i]!r} vs {want[i]!r}, difference {diff[i]:.3g} > allowed "
+    return [f"{what}: at {i} {float(got[i])!r} vs {float(want[i])!r}, difference {diff[i]:.3g} > allowed "
             f"{tolerance[i]:.3g} ({int(bad.sum())} of {bad.size} entries)"]
 
 

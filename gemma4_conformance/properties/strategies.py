@@ -385,6 +385,12 @@ def attention_edges(op: str) -> list[dict]:
         cases.append(_attention_case(
             op, 1, 2, 2, tiles, lambda shape: _desc(shape, "integers", 0, 21), _desc([tiles, 1, 2], "integers", 0, 22),
             _desc([tiles, 1, 2], "normal", 0, 23), pos=pos, window=40, offset=offset, work=WHOLE))
+    # scale 0 over a single key, one head of dimension 1: the bf16 decode torch's SDPA returned NaN for on
+    # an H200 (docs/gpu.md), a kernel's degenerate tile.  Last, after Gemma's geometry: a kernel that
+    # refuses both shapes (cuDNN's head dimensions) is reported for the one Gemma 4 needs.
+    cases.append(_attention_case(
+        op, 1, 1, 1, 1, lambda shape: _desc(shape, "normal", 0, 0), _desc([1, 1, 1], "normal", 0, 0),
+        _desc([1, 1, 1], "integers", 0, 1), scale=0.0))
     return cases
 
 

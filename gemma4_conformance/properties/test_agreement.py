@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import currently_in_test_context, given
 from hypothesis import strategies as st
 from hypothesis import target
 
-from gemma4_conformance.adapters.contract import ContractViolation, Unsupported
+from gemma4_conformance.adapters.contract import ContractViolation, Refused, Unsupported
 from gemma4_conformance.report.record import MIN_INFORMATIVE, UnsupportedSkip
 
 from .judging import judge, rerun_command
-from .table import cases, edge_cases, real_size_cases
+from .strategies import GEMMA_ATTENTION
+from .table import OPS, cases, edge_cases, real_size_cases
+
+GLOBAL_HEAD_DIM = max(D for _, _, D in GEMMA_ATTENTION)  # Gemma 4's global (full-attention) layers'
+
+
+def refusal(op: str, case: dict, error: Refused) -> str:
+    """The verdict's line on arguments the adapter refused: at Gemma 4's global attention's head dimension,
+    that this configuration cannot run it."""
+    if OPS[op].attention is not None and case["args"]["q"]["shape"][-1] == GLOBAL_HEAD_DIM:
+        return f"cannot run Gemma 4's global attention (head dimension {GLOBAL_HEAD_DIM}): {error}"
+    return f"refused these arguments: {error}"
 
 
 def check(request, backend, adapter, dtype, op, case):
@@ -20,6 +33,10 @@ def check(request, backend, adapter, dtype, op, case):
     command = rerun_command(request.node, backend, case)
     try:
         verdict = judge(adapter, op, case, dtype)
+    except Refused as e:  # a limit the adapter states, not a crash: unsupported, with why, and what to rerun
+        record.outcome, record.message = "unsupported", refusal(op, case, e)
+        record.worst_case, record.worst_command = case, command
+        raise UnsupportedSkip(record.message) from None
     except Unsupported as e:
         record.outcome = "unsupported"
         raise UnsupportedSkip(str(e)) from None
@@ -30,8 +47,10 @@ def check(request, backend, adapter, dtype, op, case):
     record.timed(verdict.seconds)
     record.judged(verdict.checked, verdict.by_oracle)
     worst = record.add(error, allowed, case, command, verdict.informative)
-    if currently_in_test_context():  # a drawn example, not an edge case or a --case rerun
-        target(error / allowed, label="error / budget")  # search towards the budget's edge
+    # A drawn example (not an edge case or a --case rerun) steers the search towards the budget's edge;
+    # a non-finite error (a NaN or inf output) fails below, and Hypothesis refuses it as a target.
+    if currently_in_test_context() and math.isfinite(error / allowed):
+        target(error / allowed, label="error / budget")
     if not verdict.passed:
         record.fail(verdict.failures[0], worst)
         pytest.fail("\n".join(verdict.failures) + f"\n  rerun: {command}", pytrace=False)

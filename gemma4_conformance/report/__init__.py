@@ -2,6 +2,7 @@
 
     doc = report.document(recorder, report.environment())   # the document (schema: report/schema.py)
     report.dump(doc, "reports/torch.json")                   # JSON, read back by report.load()
+    report.Stream("reports/torch.json", env).update(recorder, test)  # as the run goes: a line per test
     report.write_html("reports/conformance.html", [doc])      # the page; several documents side by side
 
     gemma4-conformance-report html OUT.html IN.json      (or python -m gemma4_conformance.report)
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from .data import (
     ReportError,
+    Stream,
     device_line,
     document,
     dump,
@@ -26,7 +28,7 @@ from .data import (
 )
 from .schema import SCHEMA, VERSION
 
-__all__ = ["SCHEMA", "VERSION", "ReportError", "device_line", "document", "dump", "environment", "load", "number", "render",
+__all__ = ["SCHEMA", "VERSION", "ReportError", "Stream", "device_line", "document", "dump", "environment", "load", "number", "render",
            "validate", "write_html"]
 
 

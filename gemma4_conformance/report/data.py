@@ -380,12 +380,105 @@ def environment(backends=None, **extra) -> dict:
 # ----------------------------------------------------------------------------------------- files
 
 def dump(document: dict, path) -> Path:
-    """Write ``document`` as JSON to ``path`` (its folder is created); returns the path."""
+    """Write ``document`` as JSON to ``path`` (its folder is created); returns the path.  The file is
+    replaced whole (written beside it, then renamed): a kill while writing leaves what was there, such
+    as the run's stream (``Stream``)."""
     path = Path(path)
     validate(document, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(document, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(partial, path)
     return path
+
+
+# The fields that name an entry of each list: in a stream, a later line's entry replaces the earlier one
+# of the same name.
+NAMED_BY = {"results": ("backend", "dtype", "op"), "relations": ("backend", "dtype", "relation"),
+            "forward": ("backend", "dtype"), "traces": ("backend", "dtype"), "serving": ("backend", "dtype"),
+            "invariance": ("backend", "dtype", "relation"), "op_invariance": ("backend", "dtype", "op"),
+            "problems": ("test", "phase", "message"), "deviations": ("backend", "op", "dtype", "reason")}
+
+
+def _name(section: str, entry: dict) -> tuple:
+    return (section, *(json.dumps(entry.get(key)) for key in NAMED_BY[section]))
+
+
+class Stream:
+    """The JSON report while the run goes, so that a run killed at any moment leaves every finished test's
+    verdict: JSON lines, the first with the schema, version and environment (and ``"streaming": true``),
+    then one per finished test, ``{"test": NODE ID, SECTION: [ENTRY, ...], ...}`` with the entries the
+    test changed, each whole.  Each line is flushed when written; a kill can cut only the last one
+    short, and ``load`` leaves that one out.  The plugin replaces the stream with the whole document
+    (``dump``) when the run ends."""
+
+    def __init__(self, path, env: dict, deviations=()):
+        self.path, self.env, self.deviations = Path(path), _jsonable(env), deviations
+        self.written: dict[tuple, dict] = {}  # an entry's name -> the entry as last written
+        self.file = None
+
+    def update(self, recorder, test: str) -> None:
+        """Append ``test``'s line: the entries of ``recorder``'s document that changed since the last line."""
+        doc = document(recorder, self.env, self.deviations)
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - open for the run, closed by close()
+            header = {"schema": doc["schema"], "version": doc["version"], "environment": doc["environment"],
+                      "streaming": True}
+            self.file.write(json.dumps(header, allow_nan=False) + "\n")
+        line = {"test": test}
+        for section in NAMED_BY:
+            for entry in doc.get(section, []):
+                name = _name(section, entry)
+                if self.written.get(name) != entry:
+                    self.written[name] = entry
+                    line.setdefault(section, []).append(entry)
+        self.file.write(json.dumps(line, allow_nan=False) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def _sort_key(section: str):
+    ops = list(CONTRACT)
+
+    def key(entry):
+        return tuple(dtype_rank(entry[k]) if k == "dtype" else
+                     (ops.index(entry[k]) if entry[k] in ops else len(ops), entry[k]) if k == "op" else entry[k]
+                     for k in NAMED_BY[section])
+    return key
+
+
+def _streamed(lines: list[str], source: str) -> dict:
+    """A stream's document (``Stream``): its entries, each as its last line wrote it, sorted as
+    ``document`` sorts them; ``partial`` says that the run stopped before writing the whole."""
+    header = json.loads(lines[0])
+    doc = {key: value for key, value in header.items() if key != "streaming"}
+    doc |= {section: [] for section in NAMED_BY}
+    entries, finished = {}, 0
+    for number, line in enumerate(lines[1:], 2):
+        try:
+            update = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # the line a kill cut short
+                break
+            raise ReportError(f"{source}: line {number} of the streamed report is not JSON") from None
+        if not isinstance(update, dict):
+            raise ReportError(f"{source}: line {number} of the streamed report is not an object")
+        finished += 1
+        for section in NAMED_BY:
+            for entry in update.get(section, []):
+                entries[_name(section, entry)] = entry
+    for (section, *_), entry in entries.items():
+        doc[section].append(entry)
+    for section in NAMED_BY:
+        if section not in ("problems", "deviations"):  # those two keep the order they came in
+            doc[section].sort(key=_sort_key(section))
+    doc["partial"] = (f"the run stopped after {finished} finished test{'s' if finished != 1 else ''}, before it "
+                      f"wrote its whole report: these are the finished tests' verdicts, as it streamed them")
+    return doc
 
 
 def _check_fields(entry, fields: dict, where: str, source: str) -> None:
@@ -476,7 +569,8 @@ def _validate_invariance(document: dict, source: str) -> None:
 
 
 def load(path) -> dict:
-    """Read and validate a JSON report written by ``dump``; ``ReportError`` names the file otherwise."""
+    """Read and validate a JSON report written by ``dump``, or the stream a run left (``Stream``: its
+    finished tests, the document's ``partial`` saying so); ``ReportError`` names the file otherwise."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -484,9 +578,23 @@ def load(path) -> dict:
         raise ReportError(f"{path}: cannot read the report: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise ReportError(f"{path}: not a {SCHEMA} (not UTF-8 text)") from None
+    lines = text.splitlines()
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ReportError(f"{path}: not a {SCHEMA}: invalid JSON at line {e.lineno} column {e.colno}: "
-                          f"{e.msg}") from None
+        if not (lines and _is_stream_header(lines[0])):
+            raise ReportError(f"{path}: not a {SCHEMA}: invalid JSON at line {e.lineno} column {e.colno}: "
+                              f"{e.msg}") from None
+        doc = _streamed(lines, str(path))
+    else:
+        if isinstance(doc, dict) and doc.get("streaming") is True:  # a stream of its header alone
+            doc = _streamed(lines, str(path))
     return validate(doc, str(path))
+
+
+def _is_stream_header(line: str) -> bool:
+    try:
+        header = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(header, dict) and header.get("streaming") is True

@@ -18,14 +18,15 @@ PASSED = ("ok", "warn", "cr")  # the classes of a passed result
 
 
 def shown(value) -> str:
-    """A number for a reader: 3 significant digits, "∞", "—" for not measured."""
+    """A number for a reader: 3 significant digits; "inf" and "NaN" spelled out as the JSON and the
+    terminal spell them (a glyph some viewers turn into "="); "—" for not measured."""
     x = number(value)
     if x is None:
         return "—"
     if math.isnan(x):
         return "NaN"
     if math.isinf(x):
-        return "∞" if x > 0 else "−∞"
+        return "inf" if x > 0 else "-inf"
     if x == 0:
         return "0"
     if 1e-3 <= abs(x) < 1e3:

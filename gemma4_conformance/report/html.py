@@ -228,10 +228,11 @@ def conformance_section(page: Page) -> dict:
                                       ("ok" if total_passed == total_tested else "fail")}})
     lacking = []
     for i, backend in dict.fromkeys([*page.columns, *((j, b) for j, b, _ in page.serving)]):
-        absent = {r["op"] for r in page.documents[i]["results"]
-                  if r["backend"] == backend and r["outcome"] == "unsupported"}
+        unsupported = [r for r in page.documents[i]["results"] if r["backend"] == backend and r["outcome"] == "unsupported"]
+        absent = {r["op"] for r in unsupported if not r["message"]}  # with a message: arguments the adapter refused
         names = [op for op in OP_NAMES if op in absent]
         missing = [f"{len(names)} op{'s' * (len(names) != 1)} not implemented: {', '.join(names)}"] if names else []
+        missing += [f"{r['op']} in {r['dtype']} {r['message']}" for r in unsupported if r["message"]]
         if any(e["outcome"] == "unsupported" for (j, b, _), e in page.serving.items() if (j, b) == (i, backend)):
             missing.append("no session, so no serving path")
         if missing:
@@ -258,6 +259,8 @@ def _result_cell(page: Page, i: int, backend: str, dtype: str, op: str) -> dict:
              f"{shown(r['worst_ulps'])} ULPs against a budget of {shown(r['budget_ulps'])} "
              f"({r['budget_formula']}), headroom {shown(r['headroom'])}; all examples: max "
              f"{shown(r['max_ulps'])}, p99 {shown(r['p99_ulps'])}, median {shown(r['median_ulps'])} ULPs")
+    if r["outcome"] == "unsupported" and r["message"]:
+        title = f"{backend} {dtype} {op}: unsupported: {r['message']}"
     anchor = page.anchors.get((i, backend, dtype, op))
     return {"cls": cls, "text": text, "sub": sub, "title": title, "href": "#" + anchor if anchor else None}
 

@@ -46,7 +46,7 @@ class OpRecord:
     per_example: list[float] = field(default_factory=list)  # each example's largest error in ULPs
     fractions: list[float] = field(default_factory=list)  # each example's largest error over its budget
     outcome: str = "not run"  # passed, failed, unsupported, errored, not established
-    message: str = ""  # why the worst example failed, or why the op errored
+    message: str = ""  # why the worst example failed, why the op errored, or why the adapter refused it
     informative: int = 0  # examples whose allowance excluded every trivially wrong answer
     seconds: dict[str, float] = field(default_factory=lambda: {"backend": 0.0, "transfer": 0.0, "oracle": 0.0})
     checked: int = 0  # output elements judged
@@ -226,7 +226,7 @@ class Recorder:
         """Per backend that lacks something, the ops it does not implement, in the contract's order."""
         found = {r.backend: set() for r in self.serving.values() if r.outcome == "unsupported"}
         for r in self.records.values():
-            if r.outcome == "unsupported":
+            if r.outcome == "unsupported" and not r.message:  # a refusal has its own line (``table``)
                 found.setdefault(r.backend, set()).add(r.op)
         return {backend: [op for op in OP_NAMES if op in ops] for backend, ops in sorted(found.items())}
 
@@ -235,7 +235,9 @@ class Recorder:
         lines = [f"{'backend':<8} {'dtype':<9} {'op':<15} {'outcome':<15} {'examples':>8} {'inform.':>7} "
                  f"{'ULPs':>10} {'budget':>9} {'headroom':>9}"]
         for r in sorted(self.records.values(), key=lambda r: (r.backend, r.dtype, r.op)):
-            if r.outcome == "unsupported":  # one line per backend, below
+            if r.outcome == "unsupported":  # an op not implemented: one line per backend, below
+                if r.message:  # arguments the adapter refused: why
+                    lines.append(f"{r.backend:<8} {r.dtype:<9} {r.op:<15} {r.outcome:<15} {r.message}")
                 continue
             outcome = self.outcome(r.backend, r.dtype, r.op, r.outcome)
             lines.append(f"{r.backend:<8} {r.dtype:<9} {r.op:<15} {outcome:<15} {r.examples:>8} {r.informative:>7} "

@@ -54,6 +54,8 @@ DOCUMENT_FIELDS = {
     "problems": Field(list, "array: the tests that broke rather than failed (below); when not empty the run's "
                             "verdict is incomplete and it exited 6"),
     "deviations": Field(list, "array: the entries of the known-deviations files the run was given (below)"),
+    "partial": Field(None, "string (optional): present only in a document read back from a run's stream (a run "
+                           "killed before it wrote its whole report): what it holds"),
 }
 NUMBERS = ("Numbers.  JSON has no infinities or NaN: a measured value that is not finite is written as the "
            "string `\"inf\"`, `\"-inf\"` or `\"nan\"` (`number()` reads any number field back as a float).  "
@@ -124,7 +126,8 @@ RESULT_FIELDS = {
                                             "that `--case` takes); for an \"errored\" op the case the backend "
                                             "broke on; or null"),
     "rerun": Field(str, 'the shell command that reruns exactly that case ("" when none was recorded)'),
-    "message": Field(str, 'the worst example\'s failure message, or the error ("" when the op passed)'),
+    "message": Field(str, 'the worst example\'s failure message, the error, or (unsupported) why the adapter '
+                          'refused the op\'s arguments ("" when the op passed or is not implemented)'),
     "histogram": Field(list, "array of numbers: each example's largest error as a fraction of its own budget "
                              "(above 1 is beyond it), 4 significant digits, in the order drawn; above "
                              f"{HISTOGRAM_CAP} examples, {HISTOGRAM_CAP} order statistics evenly spaced from the "
