@@ -12,7 +12,7 @@ from mpmath import mp, mpf
 
 from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.spec import CONTRACT, enclosures, format_of, get_precision, precision, round_to, scale_ulp
-from gemma4_conformance.spec.exact import widen
+from gemma4_conformance.spec.exact import one_blas_thread, widen
 from gemma4_conformance.spec.formats import abs_error
 
 from .budget import budget
@@ -110,6 +110,11 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     oracle's).  ``first_stage=False`` is the oracle alone; ``fallback=False`` the enclosure alone (for
     the tests that show the two are needed together).
     """
+    with one_blas_thread():
+        return _assess(op, args, out, dtype, seed, work, first_stage, fallback)
+
+
+def _assess(op, args, out, dtype, seed, work, first_stage, fallback) -> Verdict:
     entry = OPS[op]
     sub_args, index = entry.sample(op, args, np.random.default_rng(seed), work)
     got = np.asarray(out[index])
