@@ -5,6 +5,8 @@ it becomes an mpf with no rounding.  The oracles then compute at the working pre
 which defaults to well above float64 and is set with ``precision(bits)``.  Sums of products (dot
 products, matrix products, sums of squares) are exact and rounded once: ``dot`` defines them one at
 a time, ``dots`` and ``sums_of_squares`` compute many at once with integer matrix products.
+``dots_enclosure`` and ``sums_of_squares_enclosure`` enclose the same sums for the judging's first
+stage: float64 BLAS and an a-priori bound, or the integer products, with no Python object per sum.
 """
 
 from __future__ import annotations
