@@ -39,6 +39,11 @@ from gemma4_conformance.properties.table import build
 from gemma4_conformance.report.record import Problem, Recorder, UnsupportedSkip
 from gemma4_conformance.spec import OP_NAMES
 
+# OpenMP's threads (torch's and its MKL's) spin while they wait for work, by default: on cores that other
+# processes share they burn what those need (docs/performance.md).  Waiting passively changes no result.
+# Set before a backend loads its OpenMP runtime, which reads it once; a value already set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Its trace-file options (--judge-traces, --record-traces) and their hooks live in their own module.
 pytest_plugins = ("gemma4_conformance.judge",)
 

@@ -35,3 +35,25 @@ def test_mpmath_forward_runs_end_to_end_and_agrees_with_the_float64_reference(tm
     for exact_layer, fast_layer in zip(exact["hidden_states"], fast["hidden_states"]):
         layer = spec.round_to(exact_layer, "float64")
         assert np.abs(fast_layer - layer).max() <= 1e-12 * np.abs(layer).max()
+
+
+def test_the_reference_certifies_every_output_of_the_12b_geometrys_calls():
+    """No sampler draws at forward.CERTIFY_WORK for the largest calls of the 12B forward (8 tokens): the
+    down projection, a vocabulary chunk of the LM head, both halves of gate_up, attention over the
+    full and sliding layers.  The samplers read only shapes, so the arguments are broadcast views."""
+    from gemma4_conformance.properties.forward import CERTIFY_WORK
+    from gemma4_conformance.properties.table import OPS
+    from gemma4_conformance.spec.model import VOCAB_CHUNK
+
+    def shaped(*shape):
+        return np.broadcast_to(np.float64(1.0), shape)
+
+    T, H, I = 8, 3840, 15360
+    calls = {"linear": (shaped(H, I), shaped(T, I)), "gate_up": (shaped(I, H), shaped(I, H), shaped(T, H)),
+             "lm_head": (1.0, 30.0, shaped(VOCAB_CHUNK, H), shaped(T, H)),
+             "causal_gqa": (1.0, np.arange(T), shaped(T, 1, 16, 512), shaped(T, 1, 512), shaped(T, 1, 512)),
+             "sliding_gqa": (1.0, 1024, np.arange(T), shaped(T, 8, 2, 256), shaped(T, 8, 256), shaped(T, 8, 256)),
+             "rmsnorm": (1e-6, shaped(T, H), shaped(H)), "gelu_mul": (shaped(T, 2 * I),)}
+    for op, args in calls.items():
+        _, index = OPS[op].sample(op, args, np.random.default_rng(0), CERTIFY_WORK)
+        assert index[0] is Ellipsis, f"{op}'s call is sampled"

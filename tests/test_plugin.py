@@ -289,3 +289,19 @@ def test_a_partial_adapters_unsupported_ops_are_one_line_not_a_skip_per_test(tmp
     assert lines == ["minimal  unsupported: 2 ops not implemented, skipped with every test that needs them: "
                      "silu, rope"], out[-3000:]
     assert re.search(r"\b\d+ unsupported\b", out.splitlines()[-1])  # counted apart from skips in pytest's last line
+
+
+def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
+    """Loading the plugin sets OMP_WAIT_POLICY before any backend loads OpenMP (torch's threads would
+    otherwise spin on cores other processes share), and keeps a value the user set."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, gemma4_conformance.plugin; "
+            "print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["PASSIVE", "False"]
+    run = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, check=True)
+    assert run.stdout.split()[0] == "ACTIVE"

@@ -174,12 +174,37 @@ def l2norm(args, exact, dtype):
     return _norm(dtype, exact, *_normalisation(eps, x, mean=False), x)
 
 
+_BLOCK = 1 << 17  # weights per block: a block stays in the cache for all its products
+
+
+def _products(x, W, signed=False):
+    """|x| @ |W|.T, (1 + |x|) @ (1 + |W|).T and, when ``signed``, x @ W.T, through W in blocks of rows
+    that stay in the cache (whole, each product would first copy all of W).  The second is
+    |x| @ |W|.T + sum_k |x_k| + sum_k |W_nk| + K, the row sums of |W| from the same product."""
+    K = x.shape[-1]
+    rows = x.reshape(-1, K)
+    magnitude = np.concatenate([np.abs(rows), np.ones((1, K))])  # the last row sums |W|'s rows
+    dots = np.empty((len(magnitude), W.shape[0]))
+    logits = np.empty((len(rows), W.shape[0])) if signed else None
+    step = max(1, _BLOCK // max(K, 1))
+    buffer = np.empty((min(step, W.shape[0]), K))  # one allocation: a fresh one per block costs its page faults
+    for start in range(0, W.shape[0], step):
+        block = W[start:start + step]
+        columns = slice(start, start + len(block))
+        if signed:
+            np.matmul(rows, block.T, out=logits[:, columns])
+        np.matmul(magnitude, np.abs(block, out=buffer[:len(block)]).T, out=dots[:, columns])
+    dots, sums = dots[:-1], dots[-1]
+    flush = dots + magnitude[:-1].sum(axis=-1, keepdims=True) + sums + K
+    shape = x.shape[:-1] + (W.shape[0],)
+    return [a.reshape(shape) for a in (dots, flush) + ((logits,) if signed else ())]
+
+
 def inner_products(args, exact, dtype):
     """sum_k |x_k W_nk| for linear, and for gate_up over both weights (gamma_K bound of a dot
     product); each of the K products may flush."""
     *weights, x = args
-    dots = np.concatenate([np.abs(x) @ np.abs(W).T for W in weights], axis=-1)
-    flush = np.concatenate([(1 + np.abs(x)) @ (1 + np.abs(W)).T for W in weights], axis=-1)
+    dots, flush = (np.concatenate(parts, axis=-1) for parts in zip(*(_products(x, W) for W in weights)))
     return dots, tiny(dtype) + flush * tiny_accumulated(dtype)
 
 
@@ -190,16 +215,16 @@ def lm_head(args, exact, dtype):
     of mul L, and the float64 logit computed here."""
     mul, cap, W, x = args
     K = x.shape[-1]
-    dots = np.abs(x) @ np.abs(W).T
+    dots, flush, logits = _products(x, W, signed=True)
     flush = tiny(dtype) * (1 + abs(mul)) * (2 + (abs(cap) if cap is not None else 0.0)) + \
-        abs(mul) * ((1 + np.abs(x)) @ (1 + np.abs(W)).T) * tiny_accumulated(dtype)
+        abs(mul) * flush * tiny_accumulated(dtype)
     if cap is None:
         return np.abs(mul) * dots, flush
     if cap == 0:  # softcap 0 y = 0 * tanh (y / 0) = 0, Lean's y / 0 being 0: a constant, nothing to scale
         return np.abs(exact), flush
     u, u_acc = format_of(dtype).eps, format_of(ACCUMULATION[dtype]).eps
     uncertainty = (K * u_acc + 2 * u + K * 2.0**-52) * dots
-    nearest = np.maximum(np.abs(x @ W.T) - uncertainty, 0.0)
+    nearest = np.maximum(np.abs(logits) - uncertainty, 0.0)
     slope = 1 / np.cosh(np.minimum(abs(mul) * nearest / cap, 350)) ** 2
     return np.abs(exact) + np.abs(mul) * slope * dots, flush
 
@@ -212,11 +237,11 @@ def lm_head_logit_overflows(args, exact, dtype):
     mul, cap, W, x = args
     K = x.shape[-1]
     f = format_of(dtype)
-    dots = np.abs(x) @ np.abs(W).T
+    dots, _, logits = _products(x, W, signed=True)
     uncertainty = (K * format_of(ACCUMULATION[dtype]).eps + K * 2.0**-52) * dots
     # the least magnitude that rounds to inf (Python floats: float64's is past its own range, inf)
     overflow = f.max_finite + float(scale_ulp(f.max_finite, dtype)) / 2
-    return np.abs(x @ W.T) + uncertainty >= overflow
+    return np.abs(logits) + uncertainty >= overflow
 
 
 def rope(args, exact, dtype):

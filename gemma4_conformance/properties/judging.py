@@ -12,7 +12,7 @@ from mpmath import mp, mpf
 
 from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.spec import CONTRACT, enclosures, format_of, get_precision, precision, round_to, scale_ulp
-from gemma4_conformance.spec.exact import widen
+from gemma4_conformance.spec.exact import one_blas_thread, widen
 from gemma4_conformance.spec.formats import abs_error
 
 from .budget import budget
@@ -50,6 +50,8 @@ class Verdict:
     by_oracle: int = 0  # of those, how many the first stage (spec.enclosures) left to the oracle
     # where the first stage's bounds leave the largest error's printed digits open (none: they are settled)
     contenders: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    # where the first stage's bounds leave open which elements a failure's message names (none: settled)
+    named: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     # Wall seconds of the backend's call (its transfers to and from its device apart, when it counts
     # them in ``transfer_seconds``) and of the oracle's judgement (exact result, scale, comparison).
     seconds: dict[str, float] = field(default_factory=dict)
@@ -110,6 +112,11 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     oracle's).  ``first_stage=False`` is the oracle alone; ``fallback=False`` the enclosure alone (for
     the tests that show the two are needed together).
     """
+    with one_blas_thread():
+        return _assess(op, args, out, dtype, seed, work, first_stage, fallback)
+
+
+def _assess(op, args, out, dtype, seed, work, first_stage, fallback) -> Verdict:
     entry = OPS[op]
     sub_args, index = entry.sample(op, args, np.random.default_rng(seed), work)
     got = np.asarray(out[index])
@@ -119,6 +126,12 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
         verdict.by_oracle = int(undecided.sum())
         if not fallback:
             return verdict
+        if not verdict.passed and entry.restrict is not None and entry.tier2 is None and got.ndim:  # 0-d: whole
+            failed = _failure_from_restriction(entry, sub_args, got, dtype, index, stage, verdict)
+            if failed is not None:
+                return failed
+            verdict, undecided = _judge(entry, sub_args, got, dtype, index, stage)  # as far as it is settled
+            verdict.by_oracle = int(undecided.sum())
         if not undecided.any() and verdict.passed:
             # The largest error as the report prints it: the oracle settles the elements that could be it.
             undecided = verdict.contenders
@@ -134,6 +147,29 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     verdict, _ = _judge(entry, sub_args, got, dtype, index, _by_oracle(entry, sub_args, dtype, got))
     verdict.by_oracle = got.size
     return verdict
+
+
+FAILURE_ROUNDS = 4  # restrictions tried before a failing example goes to the oracle whole
+
+
+def _failure_from_restriction(entry, args, got, dtype, index, stage, verdict) -> Verdict | None:
+    """A failing example's verdict with the oracle's values at every element its messages could name
+    (``Verdict.named``), the oracle judging the least part of the output that holds them, whatever the
+    output's size; None where, those settled, the example passes.  An op with a second tier is left to
+    the whole oracle: that tier's errors are a maximum over every element."""
+    settled = np.zeros(got.shape, dtype=bool)
+    for _ in range(FAILURE_ROUNDS):
+        named = verdict.named & ~settled if verdict.named.size else settled
+        if not named.any():
+            verdict.by_oracle = int(settled.sum())
+            return verdict
+        part, where = entry.restrict(entry.name, args, named)
+        stage.settle(where, _by_oracle(entry, part, dtype, got[where]))
+        settled[where] = True
+        verdict, _ = _judge(entry, args, got, dtype, index, stage)
+        if verdict.passed:
+            return None
+    return None
 
 
 class _Stage:
@@ -370,6 +406,13 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
                 if tier1_admits(answer) and (tier2_admits is None or tier2_admits(answer))]
     finite_ulps = ulps[np.isfinite(ulps)]
     verdict = Verdict(op, dtype, allowed, finite_ulps.ravel(), failures, tier2, admitted, checked=got.size)
+    if failures:  # an undecided inf, every element whose error could be the largest one over the budget, and
+        # all of them where a decision about the whole example is too close to call
+        with np.errstate(all="ignore"):
+            ulps_low = stage.error_low / (scale_ulp(scale + rad, dtype) + absolute / allowed)
+        largest = np.max(np.where(over, ulps_low, -np.inf), initial=-np.inf)
+        verdict.named = whole | (undecided & ~finite) | (finite & ~zero_scale & (over | undecided) & over.any()
+                                                         & (ulps_high >= largest) & (rad > 0))
     if uncertain:
         verdict.contenders = _contenders(finite & ~right_inf, stage.error_low / (scale_ulp(scale + rad, dtype) +
                                                                              absolute / allowed), ulps_high)

@@ -252,7 +252,8 @@ def rope_std(theta, rot, pos, x, *, work):
 
 
 def linear(W, x, *, work):
-    """The exact sums (``spec.exact.dots_enclosure``)."""
+    """The products' enclosure (``spec.exact.dots_enclosure``: float64 BLAS and its a-priori bound, or
+    for float64 operands the exact sums)."""
     return dots_enclosure(np.asarray(x), np.asarray(W), work)
 
 
@@ -350,7 +351,7 @@ def softmax(s, visible, *, work):
 
 
 def _gqa(scale, visible, q, k, v, work):
-    """Softmax of the exact logits (``dots_enclosure`` times scale, one more rounding) and the weighted
+    """Softmax of the logits' enclosure (``dots_enclosure`` times scale, one more rounding) and the weighted
     sum of values in ``work`` by matrix products: its error is at most L u sum_l p_l |v_l| in any order
     (gamma_L), plus each weight's relative error times p_l |v_l|."""
     w = _Work(work)

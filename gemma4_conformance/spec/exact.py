@@ -5,6 +5,8 @@ it becomes an mpf with no rounding.  The oracles then compute at the working pre
 which defaults to well above float64 and is set with ``precision(bits)``.  Sums of products (dot
 products, matrix products, sums of squares) are exact and rounded once: ``dot`` defines them one at
 a time, ``dots`` and ``sums_of_squares`` compute many at once with integer matrix products.
+``dots_enclosure`` and ``sums_of_squares_enclosure`` enclose the same sums for the judging's first
+stage: float64 BLAS and an a-priori bound, or the integer products, with no Python object per sum.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 from mpmath import mp, mpf
@@ -343,6 +346,7 @@ class _Digits:
                          negative.tolist())]
         return result, self.BITS * low
 
+
     WINDOW = 4  # digits read below a sum's top digit: 128 bits, past any working format's precision
 
     def floats(self, exponent: int, work) -> tuple[np.ndarray, np.ndarray]:
@@ -388,10 +392,24 @@ def _blas() -> ThreadpoolController:
     return ThreadpoolController()
 
 
-def _one_blas_thread():
-    """The products are small and many: BLAS threads would only contend (with each other, with
-    pytest-xdist's workers, with whatever else the machine runs)."""
-    return _blas().limit(limits=1, user_api="blas")
+_limited = 0  # depth of one_blas_thread blocks: an inner one costs nothing
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """BLAS on one thread inside this block.  The judge's products are small and many: BLAS threads
+    would only contend (with each other, with the backend's and pytest-xdist's workers, with whatever
+    else the machine runs), and spin doing it (a product of 2 rows took 13 times the CPU time)."""
+    global _limited
+    if _limited:
+        yield
+        return
+    with _blas().limit(limits=1, user_api="blas"):
+        _limited += 1
+        try:
+            yield
+        finally:
+            _limited -= 1
 
 
 def _from_integers(total: np.ndarray, exponent: int, rounded: bool) -> np.ndarray:
@@ -414,7 +432,7 @@ def dots(a: np.ndarray, b: np.ndarray, scale=None, rounded: bool = True) -> np.n
     A = _grids(kept)
     out = np.empty((rows.shape[0], N), dtype=object)
     step = max(1, _CHUNK // max(K, 1))
-    with _one_blas_thread():
+    with one_blas_thread():
         for start in range(0, N, step):
             _dots_block(rows, floors, b[start:start + step], A, factor, rounded, out[:, start:start + step])
     return out.reshape(a.shape[:-1] + (N,))
@@ -495,24 +513,84 @@ def sums_of_squares(x: np.ndarray) -> np.ndarray:
     if X is None:  # an inf or nan: the definition, term by term
         rows = exact(rows) if rows.dtype != object else rows
         return rowwise(lambda row: dot(row, row), rows).reshape(x.shape[:-1])
-    with _one_blas_thread():
+    with one_blas_thread():
         total, unit = _sums(X, X, K, lambda u, v: np.einsum("rk,rk->r", u, v), rows.shape[0])
     return _from_integers(total, unit, True).reshape(x.shape[:-1])
 
 
-# The same exact sums as enclosures in a floating type (spec.enclosures, the judging's first stage) --------
+# Sums of products as enclosures at the speed of BLAS (spec.enclosures, the judging's first stage) --------
+#
+# The bound.  Let s = sum_k a_k b_k and T = sum_k |a_k b_k| over K terms, and let the products be
+# summed in a format of unit roundoff u, in any order, blocking or use of FMA (BLAS's choice).
+# - Operands of at most 24 significand bits and exponents of float32's range (bf16, fp16, float32)
+#   widen exactly to float64, and their products are exact there: 48 bits at most, magnitudes in
+#   [2^-298, 2^256], far inside float64's normal range, so no product underflows or overflows, and
+#   a sum of 15360 of them stays below 2^270.  Each addition (or FMA) then rounds once, relative error
+#   at most u, and an addition whose result is subnormal is exact: |fl(s) - s| <= gamma_(K-1) T,
+#   gamma_n = n u / (1 - n u) (Higham, Accuracy and Stability, 2nd ed., eq. 3.5 and section 4.2).
+# T itself is computed the same way from |a| and |b|, all terms >= 0 and exact: T^ >= (1 - gamma_K) T,
+# so T <= T^ / (1 - gamma_K), and the radius is rad = gamma_K / (1 - gamma_K) T^, rounded up (the
+# constant rounded up, then 2^-40 relative for the product that computes rad).  A non-finite operand
+# makes T^ inf or nan: rad is inf there.  A zero T^ is an exactly zero sum: rad is 0.
+# float64 operands keep the exact integer sums (``_Digits.floats``): their products are not exact in
+# float64, and in long double (u = 2^-64) the bound gamma_K T is a few float64 ULPs of T at K = 3840,
+# which leaves the printed digits of a float64 result's largest error to the oracle nearly everywhere.
+
+_BLAS_BLOCK = 1 << 17  # entries of b widened at once: a block stays in the cache for both products
+_ROUNDING = 1 + 2.0**-40  # the roundings of computing rad, each at most u relative
+
+
+def _narrow(x: np.ndarray) -> bool:
+    """Entries of a format whose products are exact in float64 (at most 24 significand bits and
+    float32's exponent range): bf16, fp16, float32."""
+    return x.dtype != object and x.dtype.itemsize <= 4
+
+
+def _radius_factor(K: int) -> float:
+    """c: rad = c T^ bounds |fl(s) - s| for K exact products summed in float64 (above)."""
+    u = Fraction(1, 2**53)
+    gamma = K * u / (1 - K * u)
+    return math.nextafter(float(gamma / (1 - gamma)), math.inf) * _ROUNDING
+
 
 def dots_enclosure(a: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
     """``sum_k a[..., k] * b[n, k]`` for floating ``a [..., K]`` and ``b [N, K]`` as (mid, rad) in the
-    floating type ``work`` (``_Digits.floats``): the exact integer sums of ``dots``, never a Python
-    object per sum.  rad is inf where an operand is not finite."""
+    floating type ``work``, |exact - mid| <= rad: for bf16, fp16 and float32 operands float64 matrix
+    products (BLAS) and the a-priori bound above, for float64 ones the exact integer sums of
+    ``dots``.  rad is inf where an operand is not finite."""
     K, N = a.shape[-1], b.shape[0]
     rows = a.reshape(math.prod(a.shape[:-1]), K)
+    shape = a.shape[:-1] + (N,)
+    if not (_narrow(rows) and _narrow(b)):
+        mid, rad = _exact_dots_enclosure(rows, b, work)
+        return mid.reshape(shape), rad.reshape(shape)
+    c = _radius_factor(K)
+    wide = rows.astype(np.float64)
+    magnitude = np.abs(wide)
+    mid = np.empty((rows.shape[0], N))
+    total = np.empty((rows.shape[0], N))
+    step = max(1, _BLAS_BLOCK // max(K, 1))
+    block = np.empty((min(step, N), K))  # one allocation: a fresh one per block costs its page faults
+    with one_blas_thread(), np.errstate(all="ignore"):
+        for start in range(0, N, step):
+            part = block[:min(step, N - start)]
+            part[...] = b[start:start + step]
+            np.matmul(wide, part.T, out=mid[:, start:start + step])
+            np.abs(part, out=part)
+            np.matmul(magnitude, part.T, out=total[:, start:start + step])
+        rad = np.where(np.isfinite(total) & np.isfinite(mid), total * c, np.inf)
+    return mid.astype(work).reshape(shape), rad.astype(work).reshape(shape)
+
+
+def _exact_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
+    """``dots_enclosure`` from the exact integer sums of ``dots`` (``_Digits.floats``), never a Python
+    object per sum."""
+    K, N = rows.shape[-1], b.shape[0]
     mid = np.zeros((rows.shape[0], N), dtype=work)
     rad = np.full((rows.shape[0], N), np.inf, dtype=work)
     A = _grids(rows)
     step = max(1, _CHUNK // max(K, 1))
-    with _one_blas_thread():
+    with one_blas_thread():
         for start in range(0, N, step):
             block = b[start:start + step]
             B = _grids(block) if A is not None else None
@@ -522,18 +600,24 @@ def dots_enclosure(a: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.n
             m, r = digits.floats(unit, work)
             mid[:, start:start + step] = m.reshape(rows.shape[0], -1)
             rad[:, start:start + step] = r.reshape(rows.shape[0], -1)
-    shape = a.shape[:-1] + (N,)
-    return mid.reshape(shape), rad.reshape(shape)
+    return mid, rad
 
 
 def sums_of_squares_enclosure(x: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
-    """``sum_k x[..., k]^2`` for a floating ``x`` as (mid, rad) in ``work``, as ``dots_enclosure``."""
+    """``sum_k x[..., k]^2`` for a floating ``x`` as (mid, rad) in ``work``, as ``dots_enclosure``
+    (here T is the sum itself: every term is >= 0)."""
     K = x.shape[-1]
+    if _narrow(x):
+        wide = x.astype(np.float64)
+        with np.errstate(all="ignore"):
+            total = np.einsum("...k,...k->...", wide, wide)
+            rad = np.where(np.isfinite(total), total * _radius_factor(K), np.inf)
+        return total.astype(work), rad.astype(work)
     rows = x.reshape(math.prod(x.shape[:-1]), K)
     X = _grids(rows)
     if X is None:
         return np.zeros(x.shape[:-1], dtype=work), np.full(x.shape[:-1], np.inf, dtype=work)
-    with _one_blas_thread():
+    with one_blas_thread():
         digits, unit = _sum_digits(X, X, K, lambda u, v: np.einsum("rk,rk->r", u, v), rows.shape[0])
     mid, rad = digits.floats(unit, work)
     return mid.reshape(x.shape[:-1]), rad.reshape(x.shape[:-1])

@@ -1,0 +1,131 @@
+"""The products' first stage from float64 BLAS (spec.exact.dots_enclosure, sums_of_squares_enclosure)
+holds the exact sums of spec.exact.dots on every draw, where its a-priori bound is tightest."""
+
+from __future__ import annotations
+
+import importlib
+
+import mpmath
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gemma4_conformance.spec import format_of
+
+exact_sums = importlib.import_module("gemma4_conformance.spec.exact")  # spec.exact is also a function
+
+NARROW = ("bfloat16", "float16", "float32")
+REAL_DEPTHS = (1, 2, 3, 255, 3840, 15360)  # Gemma 4 12B's accumulation depths, and the smallest
+
+
+def exact_sums_of(a, b):
+    with mpmath.workprec(128):
+        return np.asarray(exact_sums.dots(a, b, rounded=False), dtype=object)
+
+
+def as_mpf(value) -> mpmath.mpf:
+    """A float64 or long double, exactly."""
+    mantissa, exponent = np.frexp(value)
+    return mpmath.mpf(int(np.ldexp(mantissa, 64))) * mpmath.mpf(2) ** (int(exponent) - 64)
+
+
+def outside(exact, mid, rad):
+    """Where |exact - mid| > rad, compared exactly (4000 bits hold every float64 and exact sum here)."""
+    with mpmath.workprec(4000):
+        return [i for i in np.ndindex(exact.shape)
+                if not np.isfinite(rad[i]) or abs(exact[i] - as_mpf(mid[i])) > as_mpf(rad[i])]
+
+
+@st.composite
+def operands(draw):
+    """Two rows of K values and two of b, in a narrow format: normal values at a drawn binade, the
+    format's largest values (products near 2^256), its subnormals, and pairs of large terms that
+    cancel exactly or to within a subnormal's product, so that the exact sum is far below its terms."""
+    dtype = draw(st.sampled_from(NARROW))
+    f = format_of(dtype)
+    K = draw(st.sampled_from(REAL_DEPTHS) | st.integers(1, 15360))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    kind = draw(st.sampled_from(["normal", "overflow", "subnormal", "cancel"]))
+    shape = (2, K)
+    if kind == "normal":
+        a = rng.standard_normal(shape) * 2.0 ** draw(st.integers(-20, 20))
+        b = rng.standard_normal(shape)
+    elif kind == "overflow":  # every product near the largest value squared
+        a = f.max_finite * rng.uniform(0.5, 1, shape) * rng.choice([-1, 1], shape)
+        b = f.max_finite * rng.uniform(0.5, 1, shape) * rng.choice([-1, 1], shape)
+    elif kind == "subnormal":
+        a = f.smallest_subnormal * rng.integers(-8, 9, shape)
+        b = f.smallest_subnormal * rng.integers(-8, 9, shape)
+    else:  # large terms that cancel, and a few subnormal products left over
+        big = f.max_finite * rng.uniform(0.5, 1, shape)
+        a = np.where(np.arange(K) % 2 == 0, big, -np.roll(big, 1, axis=1))
+        b = np.ones(shape)
+        leftover = rng.random(shape) < 0.05
+        a = np.where(leftover, f.smallest_subnormal * rng.integers(1, 4, shape), a)
+        b = np.where(leftover, f.smallest_subnormal, b)
+    with np.errstate(over="ignore"):  # uniform(0.5, 1) may round up to 1: the format's largest value, still finite
+        return a.astype(f.dtype), b.astype(f.dtype)
+
+
+@settings(max_examples=60, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(operands())
+def test_dots_enclosure_holds_the_exact_sums(pair):
+    a, b = pair
+    mid, rad = exact_sums.dots_enclosure(a, b, np.float64)
+    assert np.isfinite(rad).all(), "every product and sum of a narrow format is finite in float64"
+    exact = exact_sums_of(a, b)
+    assert not outside(exact, mid, rad), f"{a.dtype}, K = {a.shape[-1]}: the exact sum is outside mid ± rad"
+
+
+@settings(max_examples=30, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(operands())
+def test_sums_of_squares_enclosure_holds_the_exact_sums(pair):
+    x, _ = pair
+    mid, rad = exact_sums.sums_of_squares_enclosure(x, np.float64)
+    with mpmath.workprec(128):
+        exact = np.asarray(exact_sums.sums_of_squares(x), dtype=object)  # rounded to 128 bits: within 2^-128
+    with mpmath.workprec(4000):
+        assert all(abs(e - as_mpf(m)) <= as_mpf(r) + abs(e) * mpmath.mpf(2) ** -120 for e, m, r in zip(exact, mid, rad))
+
+
+def _losing_everything():
+    """2^127 2^127 + 2^-149 2^-149 - 2^127 2^127 in float32: float64 loses the middle term whatever the
+    order in which its BLAS adds (it is 2^-552 of the others), so mid is 0 and the exact sum 2^-298."""
+    top, tiny = np.float32(2.0**127), np.float32(2.0**-149)
+    return np.array([[top, tiny, -top]], dtype=np.float32), np.array([[top, tiny, top]], dtype=np.float32)
+
+
+def test_the_radius_is_needed():
+    a, b = _losing_everything()
+    mid, rad = exact_sums.dots_enclosure(a, b, np.float64)
+    assert mid[0, 0] == 0.0 and rad[0, 0] > 0
+    assert exact_sums_of(a, b)[0, 0] == mpmath.mpf(2) ** -298
+    assert not outside(exact_sums_of(a, b), mid, rad)
+
+
+def test_a_radius_too_small_is_caught(monkeypatch):
+    """The check above fails without the bound (a radius of 0)."""
+    monkeypatch.setattr(exact_sums, "_radius_factor", lambda K: 0.0)
+    a, b = _losing_everything()
+    mid, rad = exact_sums.dots_enclosure(a, b, np.float64)
+    assert outside(exact_sums_of(a, b), mid, rad)
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+def test_non_finite_operands_leave_their_sums_to_the_oracle(dtype):
+    """rad is inf for the sums a non-finite operand enters (inf times 0 included), and only there."""
+    a = np.array([[1.0, np.inf], [1.0, 2.0]], dtype=format_of(dtype).dtype)
+    b = np.array([[1.0, 0.0], [np.nan, 1.0]], dtype=format_of(dtype).dtype)
+    mid, rad = exact_sums.dots_enclosure(a, b, np.float64)
+    assert np.isinf(rad).tolist() == [[True, True], [False, True]] and mid[1, 0] == 1.0
+
+
+def test_float64_operands_keep_the_exact_sums():
+    """Products of float64 values are not exact in float64: the enclosure is the exact sums' (a few
+    units of the working format's last place), not BLAS's gamma_K bound."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 3840)), rng.standard_normal((3, 3840))
+    mid, rad = exact_sums.dots_enclosure(a, b, np.longdouble)
+    assert (rad <= 4 * np.finfo(np.longdouble).eps * np.abs(mid)).all()
+    assert not outside(exact_sums_of(a, b), mid, rad)
