@@ -152,10 +152,10 @@ ELEMENTWISE = [(f"{op} 4096", op, _elementwise(op), "outputs", _doublings(4096))
                           "sigmoid_gate")]
 
 
-def judging_throughput(dtypes: list[str], min_seconds: float, max_work: float) -> list[dict]:
+def judging_throughput(dtypes: list[str], min_seconds: float, max_work: float, ops=None) -> list[dict]:
     """Oracle plus judging (judging.assess: the first stage, and the oracle where it cannot decide) of
-    the numpy backend's output, per op and dtype, grown as ``oracle_throughput``; rates in output
-    elements per CPU second, and in the op's own unit."""
+    the numpy backend's output, per op and dtype (those in ``ops``, or all), grown as
+    ``oracle_throughput``; rates in output elements per CPU second, and in the op's own unit."""
     from gemma4_conformance import adapters
     from gemma4_conformance.adapters.contract import call
     from gemma4_conformance.properties.judging import assess
@@ -165,6 +165,8 @@ def judging_throughput(dtypes: list[str], min_seconds: float, max_work: float) -
     for dtype in dtypes:
         print(f"  {dtype}")
         for label, op, make, unit, sizes in THROUGHPUT + ELEMENTWISE:
+            if ops is not None and op not in ops:
+                continue
             rng = np.random.default_rng(0)
             for n in sizes:
                 args, work = make(n, dtype, rng)
@@ -473,6 +475,7 @@ def main(argv=None) -> int:
     parser.add_argument("--oracles-only", action="store_true")
     parser.add_argument("--judging-only", action="store_true", help="oracle plus judging per op and --dtype "
                                                                      "(comma-separated), in output elements a second")
+    parser.add_argument("--ops", help="with --judging-only: these ops only (comma-separated)")
     parser.add_argument("--split-only", action="store_true")
     parser.add_argument("--json", help="write the measurements here (for --compare)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="print a before/after table")
@@ -488,7 +491,8 @@ def main(argv=None) -> int:
     result = {"suite": str(where), "machine": machine, "dtype": args.dtype, "oracles": [], "jobs": []}
     if args.judging_only:
         print(f"\noracle plus judging ({args.dtype}; each grown until a call takes {args.min_seconds} CPU s)")
-        result["judging"] = judging_throughput(args.dtype.split(","), args.min_seconds, args.max_work)
+        result["judging"] = judging_throughput(args.dtype.split(","), args.min_seconds, args.max_work,
+                                               args.ops.split(",") if args.ops else None)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return 0
