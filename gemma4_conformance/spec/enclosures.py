@@ -24,6 +24,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from . import compiled
 from .exact import dots_enclosure, sums_of_squares_enclosure
 
 
@@ -42,6 +43,17 @@ def work_type(precision: int):
 # measured worst cases (tests/test_enclosures.py measures them against mpmath); twice that is allowed.
 ELEMENTARY = 12
 MARGIN = 1 + 2.0**-20
+_E64, _MARGIN64 = compiled.constants(ELEMENTARY, MARGIN)  # the compiled kernels' (float64)
+
+
+def _flat(x) -> np.ndarray:
+    """A floating array as the compiled kernels take it: float64 (exact), contiguous, flat."""
+    return np.ascontiguousarray(np.asarray(x), dtype=np.float64).reshape(-1)
+
+
+def _shaped(enclosure, shape):
+    mid, rad = enclosure
+    return mid.reshape(shape), rad.reshape(shape)
 
 
 class _Work:
@@ -87,6 +99,8 @@ def _sigmoid(w: _Work, x):
 
 
 def sigmoid(x, *, work):
+    if work is np.float64:
+        return _shaped(compiled.sigmoid(_flat(x), _E64, _MARGIN64), np.shape(x))
     w = _Work(work)
     y, rel = _sigmoid(w, w.array(x))
     return y, w.rad(y, rel, 2 * w.tiny)
@@ -94,6 +108,8 @@ def sigmoid(x, *, work):
 
 def silu(x, *, work):
     """x sigmoid(x): one more rounding; sigmoid's absolute part scaled by |x|."""
+    if work is np.float64:
+        return _shaped(compiled.silu(_flat(x), _E64, _MARGIN64), np.shape(x))
     w = _Work(work)
     x = w.array(x)
     s, rel = _sigmoid(w, x)
@@ -124,6 +140,8 @@ def _gelu(w: _Work, x):
 
 
 def gelu_tanh(x, *, work):
+    if work is np.float64:
+        return _shaped(compiled.gelu_tanh(_flat(x), _GELU_K[work], _GELU_A[work], _E64, _MARGIN64), np.shape(x))
     w = _Work(work)
     y, rel, absolute = _gelu(w, w.array(x))
     return y, w.rad(y, rel, absolute)
@@ -136,6 +154,8 @@ def softcap(c, x, *, work):
     c = w.real(c)
     if c == 0:
         raise NotEnclosed("softcap with c = 0")
+    if work is np.float64:
+        return _shaped(compiled.softcap(c, _flat(x), _E64, _MARGIN64), np.shape(x))
     y = c * np.tanh(w.array(x) / c)
     return y, w.rad(y, w.elementary + 3 * w.u, 2 * w.tiny * (1 + abs(c)))
 
@@ -268,6 +288,9 @@ def _halves(gu):
 
 def silu_mul(gu, *, work):
     """silu(gate) up: silu's bound and one more rounding."""
+    if work is np.float64:
+        gate, up = _halves(np.asarray(gu))
+        return _shaped(compiled.silu_mul(_flat(gate), _flat(up), _E64, _MARGIN64), gate.shape)
     w = _Work(work)
     gate, up = _halves(w.array(gu))
     s, rel = _sigmoid(w, gate)
@@ -276,6 +299,10 @@ def silu_mul(gu, *, work):
 
 
 def gelu_mul(gu, *, work):
+    if work is np.float64:
+        gate, up = _halves(np.asarray(gu))
+        return _shaped(compiled.gelu_mul(_flat(gate), _flat(up), _GELU_K[work], _GELU_A[work], _E64, _MARGIN64),
+                       gate.shape)
     w = _Work(work)
     gate, up = _halves(w.array(gu))
     g, rel, absolute = _gelu(w, gate)
@@ -288,6 +315,9 @@ def residual(r, x, h, *, work):
     to |r h|, since the sum may cancel it)."""
     w = _Work(work)
     r = w.real(r)
+    if work is np.float64:
+        x, h = np.broadcast_arrays(np.asarray(x), np.asarray(h))
+        return _shaped(compiled.residual(r, _flat(x), _flat(h), _MARGIN64), x.shape)
     product = r * w.array(h)
     y = w.array(x) + product
     return y, w.rad(y, w.u, w.u * np.abs(product) * 2 + 2 * w.tiny)
@@ -295,7 +325,10 @@ def residual(r, x, h, *, work):
 
 def embed(c, E, tokens, *, work):
     w = _Work(work)
-    y = w.real(c) * w.array(np.asarray(E)[np.asarray(tokens)])
+    rows = np.asarray(E)[np.asarray(tokens)]
+    if work is np.float64:
+        return _shaped(compiled.scaled(w.real(c), _flat(rows), _MARGIN64), rows.shape)
+    y = w.real(c) * w.array(rows)
     return y, w.rad(y, w.u, 2 * w.tiny)
 
 
@@ -389,6 +422,9 @@ def decode_gqa(scale, q, k, v, *, work):
 
 
 def sigmoid_gate(o, gate, *, work):
+    if work is np.float64:
+        o, gate = np.broadcast_arrays(np.asarray(o), np.asarray(gate))
+        return _shaped(compiled.sigmoid_gate(_flat(o), _flat(gate), _E64, _MARGIN64), o.shape)
     w = _Work(work)
     o = w.array(o)
     s, rel = _sigmoid(w, w.array(gate))
