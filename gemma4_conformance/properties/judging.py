@@ -148,11 +148,27 @@ class _Stage:
     """What the judging knows of the exact result, per output element: the nearest float64
     ``exact64`` (within ``rad`` of the exact value; 0 where it is the oracle's rounding), the error
     |got - exact| (``error``, within [``error_low``, ``error_high``]), and the correctly rounded
-    result in the dtype where a verdict reads it (``rounded``)."""
+    result in the dtype where a verdict reads it (``rounded``).
 
-    def __init__(self, exact64, rad, error, error_low, error_high, rounded):
-        self.exact64, self.rad, self.error, self.error_low, self.error_high = exact64, rad, error, error_low, error_high
+    A float64 enclosure's stage keeps ``enclosure`` (got, mid, rad) instead of the bounds: the
+    verdict's loop makes them as it goes, and they become arrays when first read (``settle``)."""
+
+    _BOUNDS = ("rad", "error", "error_low", "error_high")
+
+    def __init__(self, exact64, rad, error, error_low, error_high, rounded, enclosure=None):
+        self.exact64, self.enclosure = exact64, enclosure
+        if enclosure is None:
+            self.rad, self.error, self.error_low, self.error_high = rad, error, error_low, error_high
         self._rounded = rounded  # mask -> the correctly rounded values there, nan where not decided
+
+    def __getattr__(self, name):  # the bounds of an enclosure's stage, made when first read
+        if name not in self._BOUNDS or self.__dict__.get("enclosure") is None:
+            raise AttributeError(name)
+        got, mid, rad = self.enclosure
+        for key, bound in zip(self._BOUNDS, decision.stage_bounds(_flat(got), _flat(mid), _flat(rad), _SLACK)):
+            setattr(self, key, bound.reshape(mid.shape))
+        self.enclosure = None
+        return getattr(self, name)
 
     def rounded(self, mask):
         return self._rounded(mask)
@@ -190,9 +206,8 @@ def _enclosed(entry, args, dtype, got) -> _Stage | None:
     mid = np.asarray(mid, dtype=work).reshape(got.shape)
     rad = np.asarray(rad, dtype=work).reshape(got.shape)
     if work is np.float64:
-        exact_rad, error, error_low, error_high = (a.reshape(got.shape) for a in decision.stage_bounds(
-            _flat(got), mid.reshape(-1), rad.reshape(-1), _SLACK))
         exact64 = mid
+        enclosure = (got, mid, rad)
     else:  # long double: its rounding to float64 adds to the radius
         rad = np.where(np.isnan(rad) | ~np.isfinite(mid), np.inf, rad)
         with np.errstate(all="ignore"):
@@ -203,6 +218,7 @@ def _enclosed(entry, args, dtype, got) -> _Stage | None:
             error_low = (np.maximum(difference - rad, 0) * work(1 - _SLACK)).astype(np.float64)
             exact_rad = (rad + np.abs(mid - exact64.astype(work))).astype(np.float64) * (1 + _SLACK)
             exact_rad = np.where(np.isfinite(exact_rad), exact_rad, np.inf)
+        enclosure = None
 
     def rounded(mask):
         out = np.full(mask.shape, np.nan)
@@ -214,6 +230,8 @@ def _enclosed(entry, args, dtype, got) -> _Stage | None:
             out[mask] = np.where((low == high) & np.isfinite(r), low, np.nan)
         return out
 
+    if enclosure is not None:
+        return _Stage(exact64, None, None, None, None, rounded, enclosure)
     return _Stage(exact64, exact_rad, error, error_low, error_high, rounded)
 
 
@@ -278,8 +296,12 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
     result only as |exact| in the scale (1-Lipschitz): the unit at the ends of its enclosure bounds the
     ULPs.  An element is undecided where its bounds straddle the budget or a zero scale."""
     op = entry.name
-    exact64, rad = stage.exact64, stage.rad
-    scale, absolute = (np.broadcast_to(a, got.shape) for a in entry.scale(_widened(args), exact64, dtype))
+    exact64 = stage.exact64
+    scale, absolute = entry.scale(_widened(args), exact64, dtype)
+    # one absolute allowance for every element goes to the compiled loop as it is
+    flat_absolute = np.full(1, absolute, dtype=np.float64) if np.ndim(absolute) == 0 else None
+    scale, absolute = (np.broadcast_to(a, got.shape) for a in (scale, absolute))
+    flat_absolute = _flat(absolute) if flat_absolute is None else flat_absolute
 
     dims, _ = CONTRACT[op].bind(*args)
     b = budget(op, dtype)
@@ -301,7 +323,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
         if entry.overflows is not None:
             may = np.broadcast_to(entry.overflows(_widened(args), exact64, dtype), got.shape)
             signed = np.isinf(got64) & may & (np.sign(got64) == np.sign(exact64))
-            undecided_in |= signed & ~right_inf & (np.abs(exact64) <= rad)
+            undecided_in |= signed & ~right_inf & (np.abs(exact64) <= stage.rad)
             right_inf |= signed
         nan = np.isnan(got64)
         if nan.any():
@@ -311,12 +333,23 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
             failures.append(f"inf at {_coords(index, overflow)} where the exact result rounds to "
                             f"{expected[overflow][0]!r} in {dtype}")
         right_inf, undecided_in = right_inf.reshape(-1), undecided_in.reshape(-1)
-    flat_exact, flat_rad, flat_scale, flat_absolute = _flat(exact64), _flat(rad), _flat(scale), _flat(absolute)
+    flat_scale = _flat(scale)
     constants = (float(allowed), f.precision, f.emin, float(f.max_finite), _SLACK)
-    ulps, ulps_high, undecided, zero_first, worst, least, most, uncertain, zeros, flipped = decision.verdict_units(
-        _flat(got64), flat_exact, flat_rad, _flat(stage.error), _flat(stage.error_low), _flat(stage.error_high),
-        flat_scale, flat_absolute, right_inf, undecided_in, *constants)
-    ulps, undecided = ulps.reshape(got.shape), undecided.reshape(got.shape)
+    if stage.enclosure is not None:
+        _, mid, mid_rad = stage.enclosure
+        knowledge = (_flat(mid), _flat(mid_rad), *(np.zeros(0),) * 3)
+    else:
+        knowledge = tuple(_flat(a) for a in (exact64, stage.rad, stage.error, stage.error_low, stage.error_high))
+
+    def units(ulps_high):
+        """The loop's outputs (``ulps_high`` where its array is given) and its other results."""
+        ulps, undecided = np.empty(got.shape), np.empty(got.shape, dtype=bool)
+        results = decision.verdict_units(_flat(got64), *knowledge, flat_scale, flat_absolute, right_inf,
+                                         undecided_in, *constants, ulps.reshape(-1), ulps_high.reshape(-1),
+                                         undecided.reshape(-1))
+        return ulps, undecided, results
+
+    ulps, undecided, (not_finite, zero_first, worst, least, most, uncertain, zeros, flipped) = units(np.zeros(0))
 
     if zero_first >= 0:
         where = np.unravel_index(zero_first, got.shape)
@@ -345,7 +378,8 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
     def tier1_admits(name, answer):
         if name in known:
             return decided(known[name])
-        return decided(decision.admits(_flat(answer()), flat_exact, flat_rad, flat_scale, flat_absolute, *constants))
+        return decided(decision.admits(_flat(answer()), _flat(exact64), _flat(stage.rad), flat_scale, flat_absolute,
+                                       *constants))
 
     known = {"zeros": zeros, "the sign flipped": flipped}
     tier2 = tier2_admits = None
@@ -356,7 +390,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
 
         def beyond(answer, sign=0):
             """The largest error of ``answer`` in ULPs at the tier's scale beyond its absolute allowance."""
-            distance = np.maximum(np.abs(answer - exact64) + sign * rad * (1 + _SLACK), 0.0)
+            distance = np.maximum(np.abs(answer - exact64) + sign * stage.rad * (1 + _SLACK), 0.0)
             excess = np.maximum(distance - t_absolute, 0.0) / t_unit
             return float(np.max(np.where(judged, excess, 0.0), initial=0.0))
 
@@ -384,10 +418,12 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
 
     admitted = [name for name, answer in trivial_answers(op, args, exact64).items()
                 if tier1_admits(name, answer) and (tier2_admits is None or tier2_admits(answer()))]
-    verdict = Verdict(op, dtype, allowed, ulps[np.isfinite(ulps)].ravel(), failures, tier2, admitted, checked=got.size)
+    verdict = Verdict(op, dtype, allowed, ulps[np.isfinite(ulps)] if not_finite else ulps.ravel(), failures, tier2, admitted, checked=got.size)
     if uncertain and printed(least) != printed(most):  # the elements whose error could be the largest
         judged = np.isfinite(got64) & ~right_inf.reshape(got.shape) if right_inf.size else np.isfinite(got64)
-        verdict.contenders = judged & (ulps_high.reshape(got.shape) >= least)
+        ulps_high = np.empty(got.shape)
+        units(ulps_high)
+        verdict.contenders = judged & (ulps_high >= least)
     if whole:
         undecided[...] = True
     return verdict, undecided
