@@ -155,7 +155,8 @@ ELEMENTWISE = [(f"{op} 4096", op, _elementwise(op), "outputs", _doublings(4096))
 def judging_throughput(dtypes: list[str], min_seconds: float, max_work: float, ops=None) -> list[dict]:
     """Oracle plus judging (judging.assess: the first stage, and the oracle where it cannot decide) of
     the numpy backend's output, per op and dtype (those in ``ops``, or all), grown as
-    ``oracle_throughput``; rates in output elements per CPU second, and in the op's own unit."""
+    ``oracle_throughput`` after one untimed call; rates in output elements per CPU second, and in the
+    op's own unit."""
     from gemma4_conformance import adapters
     from gemma4_conformance.adapters.contract import call
     from gemma4_conformance.properties.judging import assess
@@ -168,6 +169,8 @@ def judging_throughput(dtypes: list[str], min_seconds: float, max_work: float, o
             if ops is not None and op not in ops:
                 continue
             rng = np.random.default_rng(0)
+            args, _ = make(sizes[0], dtype, np.random.default_rng(1))  # once untimed: loading compiled code
+            assess(op, args, call(numpy_backend, op, args, dtype), dtype, work=10**12)
             for n in sizes:
                 args, work = make(n, dtype, rng)
                 if work > max_work and n != sizes[0]:
