@@ -418,7 +418,8 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
 
     admitted = [name for name, answer in trivial_answers(op, args, exact64).items()
                 if tier1_admits(name, answer) and (tier2_admits is None or tier2_admits(answer()))]
-    verdict = Verdict(op, dtype, allowed, ulps[np.isfinite(ulps)] if not_finite else ulps.ravel(), failures, tier2, admitted, checked=got.size)
+    errors = ulps[np.isfinite(ulps)] if not_finite else ulps.ravel()
+    verdict = Verdict(op, dtype, allowed, errors, failures, tier2, admitted, checked=got.size)
     if uncertain and printed(least) != printed(most):  # the elements whose error could be the largest
         judged = np.isfinite(got64) & ~right_inf.reshape(got.shape) if right_inf.size else np.isfinite(got64)
         ulps_high = np.empty(got.shape)
