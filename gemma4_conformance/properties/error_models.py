@@ -28,6 +28,7 @@ and the dtype name.  The derivations are in tolerances.yaml.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import numpy as np
 
 from gemma4_conformance import spec
 from gemma4_conformance.spec import format_of, scale_ulp
+from gemma4_conformance.spec.compiled import jit
 
 from .budget import ACCUMULATION, accumulation_ratio, tau
 
@@ -71,25 +73,43 @@ def silu(args, exact, dtype):
     return np.abs(exact), product_flush(dtype, x, 1.0)
 
 
-def _gelu_in_accumulation(x, dtype):
-    """|x|/2 (7 |t| sech^2 t + (TAU + 1) |tanh t|) + 2 |gelu(x)|, t = k (x + 0.044715 x^3): what GELU's
-    steps in A cost, in units of u_A.  t takes seven roundings relative to |t| (x^2, x^3, the two
-    constants, their product, the sum, the factor), each moving y by |x|/2 |t| sech^2 t; tanh t errs
-    by TAU and rounds once, relative to |tanh t|, before 1 + tanh t cancels (x << 0); 1 + tanh t and
-    x/2 (1 + tanh t) round once each relative to |y|."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        t = GELU_K * (x + 0.044715 * x**3)
-        th = np.tanh(t)
-        small = np.abs(t) < 350
-        slope = np.where(small, np.abs(t) / np.cosh(np.where(small, t, 0.0)) ** 2, 0.0)
-        gelu = x / (1 + np.exp(np.minimum(-2 * t, 700)))  # x/2 (1 + tanh t), without its cancellation
-    return np.abs(x) / 2 * (7 * slope + (tau(dtype) + 1) * np.abs(th)) + 2 * np.abs(gelu)
+@jit
+def _gelu_absolute(x, up, eps_accumulation, tau_plus_one, tiny_d, out):
+    """GELU's absolute allowance per element: eps_A g(x) |up| + tiny (1 + |x|) 2 (1 + |up|), the last
+    factors only where ``up`` is given (gelu_mul; gelu_tanh has none), with
+
+        g(x) = |x|/2 (7 |t| sech^2 t + (TAU + 1) |tanh t|) + 2 |gelu(x)|,  t = k (x + 0.044715 x^3),
+
+    what GELU's steps in A cost in units of u_A.  t takes seven roundings relative to |t| (x^2, x^3, the
+    two constants, their product, the sum, the factor), each moving y by |x|/2 |t| sech^2 t; tanh t
+    errs by TAU and rounds once, relative to |tanh t|, before 1 + tanh t cancels (x << 0); 1 + tanh t
+    and x/2 (1 + tanh t) round once each relative to |y|.  x may flush before the products."""
+    gated = up.size > 0
+    for i in range(x.size):
+        v = x[i]
+        t = GELU_K * (v + 0.044715 * (v * v * v))
+        slope = abs(t) / math.cosh(t) ** 2 if abs(t) < 350 else 0.0
+        exponent = -2 * t
+        gelu = v / (1 + math.exp(exponent if not exponent > 700 else 700.0))  # x/2 (1 + tanh t), uncancelled
+        steps = abs(v) / 2 * (7 * slope + tau_plus_one * abs(math.tanh(t))) + 2 * abs(gelu)
+        if gated:
+            out[i] = eps_accumulation * steps * abs(up[i]) + tiny_d * (1 + abs(v)) * (1 + 1.0) * (1 + abs(up[i]))
+        else:
+            out[i] = eps_accumulation * steps + tiny_d * (1 + abs(v)) * (1 + 1.0)
+
+
+def _gelu_allowance(x, up, dtype):
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    out = np.empty(x.shape)
+    _gelu_absolute(x.reshape(-1), np.ascontiguousarray(up, dtype=np.float64).reshape(-1),
+                   format_of(ACCUMULATION[dtype]).eps, tau(dtype) + 1, tiny(dtype), out.reshape(-1))
+    return out
 
 
 def gelu_tanh(args, exact, dtype):
-    """|y|; the steps in A bounded absolutely (``_gelu_in_accumulation``); x may flush before the product."""
+    """|y|; the steps in A bounded absolutely (``_gelu_absolute``); x may flush before the product."""
     (x,) = args
-    return np.abs(exact), format_of(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(x, dtype) + product_flush(dtype, x, 1.0)
+    return np.abs(exact), _gelu_allowance(x, np.zeros(0), dtype)
 
 
 def softcap(args, exact, dtype):
@@ -112,8 +132,7 @@ def silu_mul(args, exact, dtype):
 def gelu_mul(args, exact, dtype):
     """|y|; gelu(gate)'s steps in A, times |up|; the product with up in D or A."""
     gate, up = _gate_up(args[0])
-    absolute = format_of(ACCUMULATION[dtype]).eps * _gelu_in_accumulation(gate, dtype) * np.abs(up)
-    return np.abs(exact), absolute + product_flush(dtype, gate, 1.0, up)
+    return np.abs(exact), _gelu_allowance(gate, up, dtype)
 
 
 def sigmoid_gate(args, exact, dtype):
@@ -244,6 +263,15 @@ def lm_head_logit_overflows(args, exact, dtype):
     return np.abs(logits) + uncertainty >= overflow
 
 
+@functools.lru_cache(maxsize=64)
+def _frequencies(theta, denom, active, n) -> np.ndarray:
+    """Lean's inverse frequencies (denom = 0 too) rounded to float64, one per rotated pair: the same
+    for every call of a model's rope."""
+    frequencies = spec.round_to(spec.inv_freq(theta, denom, active, np.arange(n)), "float64")
+    frequencies.flags.writeable = False
+    return frequencies
+
+
 def rope(args, exact, dtype):
     """r per rotated coordinate, r the pair's norm; the angle a = pos w's own error bounded absolutely.
 
@@ -259,7 +287,7 @@ def rope(args, exact, dtype):
     scale = np.abs(x).copy()
     angle_error = np.zeros_like(scale)
     u_acc = format_of(ACCUMULATION[dtype]).eps
-    freqs = spec.round_to(spec.inv_freq(theta, denom, active, np.arange(min(half, D))), "float64")  # Lean's, denom = 0 too
+    freqs = _frequencies(theta, denom, active, min(half, D))
     for i in range(min(half, D)):
         j = i + half
         w = float(freqs[i])

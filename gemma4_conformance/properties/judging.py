@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 from mpmath import mp, mpf
@@ -15,8 +17,14 @@ from gemma4_conformance.spec import CONTRACT, enclosures, format_of, get_precisi
 from gemma4_conformance.spec.exact import one_blas_thread, widen
 from gemma4_conformance.spec.formats import abs_error
 
+from . import decision
 from .budget import budget
 from .table import OPS, ORACLE_WORK, build
+
+
+def _flat(a) -> np.ndarray:
+    """A floating array as the compiled loops take it: float64, contiguous, flat."""
+    return np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
 
 
 def _widened(args):
@@ -176,11 +184,27 @@ class _Stage:
     """What the judging knows of the exact result, per output element: the nearest float64
     ``exact64`` (within ``rad`` of the exact value; 0 where it is the oracle's rounding), the error
     |got - exact| (``error``, within [``error_low``, ``error_high``]), and the correctly rounded
-    result in the dtype where a verdict reads it (``rounded``)."""
+    result in the dtype where a verdict reads it (``rounded``).
 
-    def __init__(self, exact64, rad, error, error_low, error_high, rounded):
-        self.exact64, self.rad, self.error, self.error_low, self.error_high = exact64, rad, error, error_low, error_high
+    A float64 enclosure's stage keeps ``enclosure`` (got, mid, rad) instead of the bounds: the
+    verdict's loop makes them as it goes, and they become arrays when first read (``settle``)."""
+
+    _BOUNDS = ("rad", "error", "error_low", "error_high")
+
+    def __init__(self, exact64, rad, error, error_low, error_high, rounded, enclosure=None):
+        self.exact64, self.enclosure = exact64, enclosure
+        if enclosure is None:
+            self.rad, self.error, self.error_low, self.error_high = rad, error, error_low, error_high
         self._rounded = rounded  # mask -> the correctly rounded values there, nan where not decided
+
+    def __getattr__(self, name):  # the bounds of an enclosure's stage, made when first read
+        if name not in self._BOUNDS or self.__dict__.get("enclosure") is None:
+            raise AttributeError(name)
+        got, mid, rad = self.enclosure
+        for key, bound in zip(self._BOUNDS, decision.stage_bounds(_flat(got), _flat(mid), _flat(rad), _SLACK)):
+            setattr(self, key, bound.reshape(mid.shape))
+        self.enclosure = None
+        return getattr(self, name)
 
     def rounded(self, mask):
         return self._rounded(mask)
@@ -217,24 +241,34 @@ def _enclosed(entry, args, dtype, got) -> _Stage | None:
         return None
     mid = np.asarray(mid, dtype=work).reshape(got.shape)
     rad = np.asarray(rad, dtype=work).reshape(got.shape)
-    rad = np.where(np.isnan(rad) | ~np.isfinite(mid), np.inf, rad)
-    with np.errstate(all="ignore"):
-        exact64 = mid.astype(np.float64)
-        difference = np.abs(got.astype(np.float64).astype(work) - mid)
-        error = difference.astype(np.float64)
-        error_high = ((difference + rad) * work(1 + _SLACK)).astype(np.float64)
-        error_low = (np.maximum(difference - rad, 0) * work(1 - _SLACK)).astype(np.float64)
-        exact_rad = (rad + np.abs(mid - exact64.astype(work))).astype(np.float64) * (1 + _SLACK)
+    if work is np.float64:
+        exact64 = mid
+        enclosure = (got, mid, rad)
+    else:  # long double: its rounding to float64 adds to the radius
+        rad = np.where(np.isnan(rad) | ~np.isfinite(mid), np.inf, rad)
+        with np.errstate(all="ignore"):
+            exact64 = mid.astype(np.float64)
+            difference = np.abs(got.astype(np.float64).astype(work) - mid)
+            error = difference.astype(np.float64)
+            error_high = ((difference + rad) * work(1 + _SLACK)).astype(np.float64)
+            error_low = (np.maximum(difference - rad, 0) * work(1 - _SLACK)).astype(np.float64)
+            exact_rad = (rad + np.abs(mid - exact64.astype(work))).astype(np.float64) * (1 + _SLACK)
+            exact_rad = np.where(np.isfinite(exact_rad), exact_rad, np.inf)
+        enclosure = None
 
     def rounded(mask):
         out = np.full(mask.shape, np.nan)
         if mask.any():
+            m, r = mid[mask], rad[mask]
+            r = np.where(np.isnan(r) | ~np.isfinite(m), np.inf, r)
             with np.errstate(all="ignore"):
-                low, high = ((mid[mask] + sign * rad[mask]).astype(f.dtype).astype(np.float64) for sign in (-1, 1))
-            out[mask] = np.where((low == high) & np.isfinite(rad[mask]), low, np.nan)
+                low, high = ((m + sign * r).astype(f.dtype).astype(np.float64) for sign in (-1, 1))
+            out[mask] = np.where((low == high) & np.isfinite(r), low, np.nan)
         return out
 
-    return _Stage(exact64, np.where(np.isfinite(exact_rad), exact_rad, np.inf), error, error_low, error_high, rounded)
+    if enclosure is not None:
+        return _Stage(exact64, None, None, None, None, rounded, enclosure)
+    return _Stage(exact64, exact_rad, error, error_low, error_high, rounded)
 
 
 def _by_oracle(entry, args, dtype, got) -> _Stage:
@@ -291,85 +325,99 @@ def correctly_rounded(oracle, args, exact, dtype, mask=None):
 
 def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.ndarray]:
     """The verdict on ``got`` from what ``stage`` knows, and the elements whose pass it cannot certify
-    (all of them where a decision about the whole example is too close to call)."""
+    (all of them where a decision about the whole example is too close to call).
+
+    Per element (``decision.verdict_units``, one compiled loop): the ULPs at the scale, with the
+    absolute allowance folded into the unit (error <= budget * unit).  The error models read the exact
+    result only as |exact| in the scale (1-Lipschitz): the unit at the ends of its enclosure bounds the
+    ULPs.  An element is undecided where its bounds straddle the budget or a zero scale."""
     op = entry.name
-    exact64, rad = stage.exact64, stage.rad
-    scale, absolute = (np.broadcast_to(a, got.shape) for a in entry.scale(_widened(args), exact64, dtype))
+    exact64 = stage.exact64
+    scale, absolute = entry.scale(_widened(args), exact64, dtype)
+    # one absolute allowance for every element goes to the compiled loop as it is
+    flat_absolute = np.full(1, absolute, dtype=np.float64) if np.ndim(absolute) == 0 else None
+    scale, absolute = (np.broadcast_to(a, got.shape) for a in (scale, absolute))
+    flat_absolute = _flat(absolute) if flat_absolute is None else flat_absolute
 
     dims, _ = CONTRACT[op].bind(*args)
     b = budget(op, dtype)
     quantities = {**dims, **entry.quantities(args)}
     allowed = b.ulps(**quantities)
+    f = format_of(dtype)
 
     got64 = got.astype(np.float64)
-    finite = np.isfinite(got64)
-    # The correctly rounded result, where a verdict reads it: an inf of the backend, and the worst element.
-    expected = stage.rounded(~finite)
-    undecided = ~finite & np.isnan(expected) & ~np.isnan(got64)
-    error = stage.error
-    # ULPs at the scale, with the absolute allowance folded into the unit: error <= budget * unit.
-    # The error models read the exact result only as |exact| in the scale (1-Lipschitz): the unit at
-    # the ends of its enclosure bounds the ULPs.
-    spacing = scale_ulp(scale, dtype)
-    unit = spacing + absolute / allowed
-    unit_low = scale_ulp(np.maximum(scale - rad, 0.0), dtype) + absolute / allowed
-    with np.errstate(all="ignore"):
-        ulps = np.where(finite, error / unit, np.inf)
-        ulps_high = np.where(finite, stage.error_high / unit_low, np.inf)
-    # A result that rounds to +-inf in the dtype (overflow) is right when the backend gives that inf, and
-    # so is an inf of the exact result's sign where the modelled arrangement's intermediate may overflow.
-    right_inf = np.isinf(got64) & (got64 == expected)
-    if entry.overflows is not None:
-        may = np.broadcast_to(entry.overflows(_widened(args), exact64, dtype), got.shape)
-        signed = np.isinf(got64) & may & (np.sign(got64) == np.sign(exact64))
-        undecided |= signed & ~right_inf & (np.abs(exact64) <= rad)
-        right_inf |= signed
-    ulps = np.where(right_inf, 0.0, ulps)
-    undecided &= ~right_inf | (np.abs(exact64) <= rad)
-
     failures = []
-    nan = np.isnan(got64)
-    if nan.any():
-        failures.append(f"NaN in the output at {_first(nan)} where the exact result is finite")
-    overflow = np.isinf(got64) & np.isfinite(expected) & ~right_inf
-    if overflow.any():
-        failures.append(f"inf at {_coords(index, overflow)} where the exact result rounds to "
-                        f"{float(expected[overflow][0])!r} in {dtype}")
-    zero_scale = (scale == 0) & (absolute == 0) & finite & (error != 0)
-    undecided |= finite & (absolute == 0) & (scale > 0) & (scale <= rad)  # scale 0 or not: too close
-    undecided |= zero_scale & (rad > 0)
-    if zero_scale.any():
-        failures.append(f"{float(got64[zero_scale][0])!r} at {_coords(index, zero_scale)} where the exact result is 0 "
+    right_inf = undecided_in = np.zeros(0, dtype=bool)
+    if not np.isfinite(got64).all():
+        # The correctly rounded result, where a verdict reads it: an inf of the backend. A result that
+        # rounds to +-inf in the dtype (overflow) is right when the backend gives that inf, and so is an
+        # inf of the exact result's sign where the modelled arrangement's intermediate may overflow.
+        finite = np.isfinite(got64)
+        expected = stage.rounded(~finite)
+        undecided_in = ~finite & np.isnan(expected) & ~np.isnan(got64)
+        right_inf = np.isinf(got64) & (got64 == expected)
+        if entry.overflows is not None:
+            may = np.broadcast_to(entry.overflows(_widened(args), exact64, dtype), got.shape)
+            signed = np.isinf(got64) & may & (np.sign(got64) == np.sign(exact64))
+            undecided_in |= signed & ~right_inf & (np.abs(exact64) <= stage.rad)
+            right_inf |= signed
+        nan = np.isnan(got64)
+        if nan.any():
+            failures.append(f"NaN in the output at {_first(nan)} where the exact result is finite")
+        overflow = np.isinf(got64) & np.isfinite(expected) & ~right_inf
+        if overflow.any():
+            failures.append(f"inf at {_coords(index, overflow)} where the exact result rounds to "
+                            f"{float(expected[overflow][0])!r} in {dtype}")
+        right_inf, undecided_in = right_inf.reshape(-1), undecided_in.reshape(-1)
+    flat_scale = _flat(scale)
+    constants = (float(allowed), f.precision, f.emin, float(f.max_finite), _SLACK)
+    if stage.enclosure is not None:
+        _, mid, mid_rad = stage.enclosure
+        knowledge = (_flat(mid), _flat(mid_rad), *(np.zeros(0),) * 3)
+    else:
+        knowledge = tuple(_flat(a) for a in (exact64, stage.rad, stage.error, stage.error_low, stage.error_high))
+
+    def units(ulps_high):
+        """The loop's outputs (``ulps_high`` where its array is given) and its other results."""
+        ulps, undecided = np.empty(got.shape), np.empty(got.shape, dtype=bool)
+        results = decision.verdict_units(_flat(got64), *knowledge, flat_scale, flat_absolute, right_inf,
+                                         undecided_in, *constants, ulps.reshape(-1), ulps_high.reshape(-1),
+                                         undecided.reshape(-1))
+        return ulps, undecided, results
+
+    ulps, undecided, (not_finite, zero_first, worst, least, most, uncertain, zeros, flipped) = units(np.zeros(0))
+
+    if zero_first >= 0:
+        where = np.unravel_index(zero_first, got.shape)
+        failures.append(f"{float(got64[where])!r} at {_coords(index, where)} where the exact result is 0 "
                         f"(a masked or exactly-zero output must be exactly 0)")
-    over = finite & (ulps > allowed) & ~zero_scale
-    undecided |= finite & ~zero_scale & ~(ulps_high <= allowed * (1 - _SLACK)) & (rad > 0)
-    if over.any():
-        worst = np.unravel_index(np.argmax(np.where(over, ulps, -1)), ulps.shape)
+    if worst >= 0:
+        worst = np.unravel_index(worst, got.shape)
         mask = np.zeros(got.shape, dtype=bool)
         mask[worst] = True
-        expected[worst] = stage.rounded(mask)[worst]
+        expected_worst = stage.rounded(mask)[worst]
         failures.append(
             f"error {ulps[worst]:.4g} ULPs at the op's scale > budget {allowed:.4g} ({b.formula}) at "
             f"{_coords(index, worst)}: got {float(got64[worst])!r}, exact {float(exact64[worst])!r} "
-            f"(correctly rounded {float(expected[worst])!r}), scale {float(scale[worst]):.6g}")
-    tier1_allowance = allowed * spacing + absolute
-    whole = np.zeros(got.shape, dtype=bool)  # a decision about the whole example too close to call
-    uncertain = bool(np.any(rad > 0))
+            f"(correctly rounded {float(expected_worst)!r}), scale {float(scale[worst]):.6g}")
+    whole = False  # a decision about the whole example too close to call
 
-    def distance(answer, sign):
-        """|answer - exact|, or its lower (sign -1) or upper (+1) bound."""
-        return np.maximum(np.abs(answer - exact64) + sign * rad * (1 + _SLACK), 0.0)
-
-    def tier1_admits(answer):
-        apart = distance(answer, 0)
-        admits = bool(np.all(apart <= tier1_allowance))
-        if uncertain:  # the same answer at either end of the enclosure, or too close to call
-            surely = bool(np.all(apart + rad * (1 + _SLACK) <= tier1_allowance * (1 - _SLACK)))
-            surely_not = bool(np.any(apart - rad * (1 + _SLACK) > tier1_allowance * (1 + _SLACK)))
-            if not (surely if admits else surely_not):
-                whole[...] = True
+    def decided(state) -> bool:
+        """Whether an answer is within the allowance: (all within, all surely within, any surely beyond);
+        where the enclosure leaves it open, the whole example goes to the oracle."""
+        nonlocal whole
+        admits, surely, surely_not = (bool(v) for v in state)
+        if uncertain and not (surely if admits else surely_not):
+            whole = True
         return admits
 
+    def tier1_admits(name, answer):
+        if name in known:
+            return decided(known[name])
+        return decided(decision.admits(_flat(answer()), _flat(exact64), _flat(stage.rad), flat_scale, flat_absolute,
+                                       *constants))
+
+    known = {"zeros": zeros, "the sign flipped": flipped}
     tier2 = tier2_admits = None
     if b.tier2 is not None:
         t_scale, t_absolute = (np.broadcast_to(a, got.shape) for a in entry.tier2(_widened(args), exact64, dtype))
@@ -378,17 +426,18 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
 
         def beyond(answer, sign=0):
             """The largest error of ``answer`` in ULPs at the tier's scale beyond its absolute allowance."""
-            excess = np.maximum(distance(answer, sign) - t_absolute, 0.0) / t_unit
+            distance = np.maximum(np.abs(answer - exact64) + sign * stage.rad * (1 + _SLACK), 0.0)
+            excess = np.maximum(distance - t_absolute, 0.0) / t_unit
             return float(np.max(np.where(judged, excess, 0.0), initial=0.0))
 
         plains = list(entry.baselines(args, dtype))
         baseline = max(beyond(plain) for plain in plains)
-        candidate = np.where(finite, got64, np.inf)
+        candidate = np.where(np.isfinite(got64), got64, np.inf)
         tier2 = BaselineTier(beyond(candidate), baseline, b.tier2.ulps(**quantities) + b.factor * baseline)
         if uncertain and tier2.error <= tier2.allowed:
             lowest = b.tier2.ulps(**quantities) + b.factor * max(beyond(plain, -1) for plain in plains)
             if beyond(candidate, +1) > lowest * (1 - _SLACK):
-                whole[...] = True
+                whole = True
         if tier2.error > tier2.allowed:
             failures.append(
                 f"error {tier2.error:.4g} ULPs at the second tier's scale (sum_l p_l |v_l|, beyond its absolute "
@@ -396,27 +445,37 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
                 f"error of the plain {dtype} arrangements on these inputs")
 
         def tier2_admits(answer):
+            nonlocal whole
             admits = beyond(answer) <= tier2.allowed
             if uncertain and admits != (beyond(answer, -1) <= tier2.allowed) or \
                     uncertain and admits != (beyond(answer, +1) <= tier2.allowed):
-                whole[...] = True
+                whole = True
             return admits
 
     admitted = [name for name, answer in trivial_answers(op, args, exact64).items()
-                if tier1_admits(answer) and (tier2_admits is None or tier2_admits(answer))]
-    finite_ulps = ulps[np.isfinite(ulps)]
-    verdict = Verdict(op, dtype, allowed, finite_ulps.ravel(), failures, tier2, admitted, checked=got.size)
+                if tier1_admits(name, answer) and (tier2_admits is None or tier2_admits(answer()))]
+    errors = ulps[np.isfinite(ulps)] if not_finite else ulps.ravel()
+    verdict = Verdict(op, dtype, allowed, errors, failures, tier2, admitted, checked=got.size)
     if failures:  # an undecided inf, every element whose error could be the largest one over the budget, and
         # all of them where a decision about the whole example is too close to call
+        ulps_high = np.empty(got.shape)
+        units(ulps_high)
+        finite, rad = np.isfinite(got64), stage.rad
+        zero_scale = (scale == 0) & (absolute == 0) & finite & (stage.error != 0)
+        over = finite & (ulps > allowed) & ~zero_scale
         with np.errstate(all="ignore"):
             ulps_low = stage.error_low / (scale_ulp(scale + rad, dtype) + absolute / allowed)
         largest = np.max(np.where(over, ulps_low, -np.inf), initial=-np.inf)
         verdict.named = whole | (undecided & ~finite) | (finite & ~zero_scale & (over | undecided) & over.any()
                                                          & (ulps_high >= largest) & (rad > 0))
-    if uncertain:
-        verdict.contenders = _contenders(finite & ~right_inf, stage.error_low / (scale_ulp(scale + rad, dtype) +
-                                                                             absolute / allowed), ulps_high)
-    return verdict, undecided | whole
+    if uncertain and printed(least) != printed(most):  # the elements whose error could be the largest
+        judged = np.isfinite(got64) & ~right_inf.reshape(got.shape) if right_inf.size else np.isfinite(got64)
+        ulps_high = np.empty(got.shape)
+        units(ulps_high)
+        verdict.contenders = judged & (ulps_high >= least)
+    if whole:
+        undecided[...] = True
+    return verdict, undecided
 
 
 def printed(ulps: float) -> str:
@@ -424,33 +483,24 @@ def printed(ulps: float) -> str:
     return f"{ulps:.4g}" if not ulps < RESOLUTION else "0"
 
 
-def _contenders(judged, low, high) -> np.ndarray:
-    """The elements whose error could be the largest, where the bounds do not print alike (4 digits)."""
-    with np.errstate(all="ignore"):
-        low, high = np.where(judged, low, -np.inf), np.where(judged, high, -np.inf)
-    least, most = float(np.max(low, initial=-np.inf)), float(np.max(high, initial=-np.inf))
-    if printed(least) == printed(most):
-        return np.zeros(judged.shape, dtype=bool)
-    return judged & (high >= least)
-
-
-def trivial_answers(op: str, args: tuple, exact: np.ndarray) -> dict[str, np.ndarray]:
-    """Wrong answers an allowance must exclude for an example to count as evidence: zeros and the sign
-    flipped for every op; for attention also the uniform average of the visible values (q.k ignored)
-    and each query head zeroed."""
-    answers = {"zeros": np.zeros_like(exact), "the sign flipped": -exact}
+def trivial_answers(op: str, args: tuple, exact: np.ndarray) -> dict[str, Callable[[], np.ndarray]]:
+    """Wrong answers an allowance must exclude for an example to count as evidence, each made when asked
+    (the verdict's compiled loop judges the first two without them): zeros and the sign flipped for
+    every op; for attention also the uniform average of the visible values (q.k ignored) and each query
+    head zeroed."""
+    answers = {"zeros": lambda: np.zeros_like(exact), "the sign flipped": lambda: -exact}
     inputs = OPS[op].attention
     if inputs is not None:
         scale, visible, q, k, v = inputs(args)
         counts = visible.sum(-1)
         mean = np.einsum("sl,lcd->scd", visible.astype(float), widen(v)) / np.maximum(counts, 1)[:, None, None]
         uniform = np.broadcast_to(mean[:, :, None, :], q.shape)
-        answers["uniform weights (q.k ignored)"] = inputs.output(uniform)
+        answers["uniform weights (q.k ignored)"] = partial(inputs.output, uniform)
         heads = exact.reshape(-1, *exact.shape[-3:])  # [S, Hkv, G, D], decode's one query too
         for c, g in np.ndindex(*heads.shape[1:3]):
             zeroed = heads.copy()
             zeroed[:, c, g] = 0.0
-            answers[f"query head {c * heads.shape[2] + g} zeroed"] = zeroed.reshape(exact.shape)
+            answers[f"query head {c * heads.shape[2] + g} zeroed"] = partial(zeroed.reshape, exact.shape)
     return answers
 
 

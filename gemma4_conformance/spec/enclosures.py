@@ -10,7 +10,10 @@ where the result is exactly ``mid`` (masked entries, zero sums).  An op without 
 
 The format ``work`` is float64 for the targets of at most 24 bits and ``np.longdouble`` for float64
 (the 80-bit format on x86, 11 bits past float64; where longdouble is float64 the radii come out
-about one float64 ULP and the oracle decides more).  Each bound is derived beside its function in
+about one float64 ULP and the oracle decides more).  In float64 every function other than the
+products runs as one compiled loop per element (``spec.compiled``, the same formula in the same
+order); the numpy code below is the long double one, which numba does not have (a double-double
+exp, tanh, sin and cos with proven bounds would be a library of its own).  Each bound is derived beside its function in
 units of ``u``, ``work``'s unit roundoff (every + - * / and sqrt rounds once, relative error <= u),
 and ``ELEMENTARY``, the relative error allowed to one call of exp, tanh, sin, cos or pow.  First-order
 terms are summed and the total is multiplied by ``MARGIN`` for the second-order ones.  Results that
@@ -24,6 +27,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from . import compiled
 from .exact import dots_enclosure, sums_of_squares_enclosure
 
 
@@ -42,6 +46,19 @@ def work_type(precision: int):
 # measured worst cases (tests/test_enclosures.py measures them against mpmath); twice that is allowed.
 ELEMENTARY = 12
 MARGIN = 1 + 2.0**-20
+_E64, _MARGIN64 = compiled.constants(ELEMENTARY, MARGIN)  # the compiled kernels' (float64)
+
+
+def _flat(x) -> np.ndarray:
+    """A floating array as the compiled kernels take it: float64 (exact), contiguous, flat."""
+    return np.ascontiguousarray(np.asarray(x), dtype=np.float64).reshape(-1)
+
+
+def _compiled(kernel, shape, *args):
+    """A compiled kernel's (mid, rad) of the given shape."""
+    mid, rad = np.empty(shape), np.empty(shape)
+    kernel(*args, mid.reshape(-1), rad.reshape(-1))
+    return mid, rad
 
 
 class _Work:
@@ -87,6 +104,8 @@ def _sigmoid(w: _Work, x):
 
 
 def sigmoid(x, *, work):
+    if work is np.float64:
+        return _compiled(compiled.sigmoid, np.shape(x), _flat(x), _E64, _MARGIN64)
     w = _Work(work)
     y, rel = _sigmoid(w, w.array(x))
     return y, w.rad(y, rel, 2 * w.tiny)
@@ -94,6 +113,8 @@ def sigmoid(x, *, work):
 
 def silu(x, *, work):
     """x sigmoid(x): one more rounding; sigmoid's absolute part scaled by |x|."""
+    if work is np.float64:
+        return _compiled(compiled.silu, np.shape(x), _flat(x), _E64, _MARGIN64)
     w = _Work(work)
     x = w.array(x)
     s, rel = _sigmoid(w, x)
@@ -124,6 +145,8 @@ def _gelu(w: _Work, x):
 
 
 def gelu_tanh(x, *, work):
+    if work is np.float64:
+        return _compiled(compiled.gelu_tanh, np.shape(x), _flat(x), _GELU_K[work], _GELU_A[work], _E64, _MARGIN64)
     w = _Work(work)
     y, rel, absolute = _gelu(w, w.array(x))
     return y, w.rad(y, rel, absolute)
@@ -136,6 +159,8 @@ def softcap(c, x, *, work):
     c = w.real(c)
     if c == 0:
         raise NotEnclosed("softcap with c = 0")
+    if work is np.float64:
+        return _compiled(compiled.softcap, np.shape(x), c, _flat(x), _E64, _MARGIN64)
     y = c * np.tanh(w.array(x) / c)
     return y, w.rad(y, w.elementary + 3 * w.u, 2 * w.tiny * (1 + abs(c)))
 
@@ -146,8 +171,11 @@ def _mean_square_root(w: _Work, eps, x, mean: bool):
     eps = w.real(eps)
     if eps < 0:
         raise NotEnclosed("a negative eps")
-    squares, rad = sums_of_squares_enclosure(x, w.type)
     H = x.shape[-1]
+    if w.type is np.float64:  # targets of at most 24 bits: their squares are exact in float64
+        squares, rad = _compiled(compiled.sums_of_squares, x.shape[:-1], _flat(x), H, _MARGIN64)
+    else:
+        squares, rad = sums_of_squares_enclosure(x, w.type)
     with np.errstate(invalid="ignore", divide="ignore"):
         s = np.where(squares > 0, rad / squares, np.where(rad > 0, np.inf, 0))
         total = (squares / H if mean and H else squares) + eps  # H = 0: the empty sum 0, and Lean's 0 / 0 = 0
@@ -169,7 +197,23 @@ def _normalised(w: _Work, eps, x, mean=True):
     return w.array(x) / r[..., None], rel[..., None] + w.u
 
 
+def _normalised_compiled(eps, x, kind, w=None, z=None, mean=True):
+    """``compiled.normalised``: x / rms per row, times the factor of ``kind``."""
+    x = np.asarray(x)
+    root, rel = _mean_square_root(_Work(np.float64), eps, x, mean)
+    H = x.shape[-1]
+    if w is None or np.shape(w) == (H,):  # one row of weights for all
+        weights, step = _flat(np.zeros(0) if w is None else w), 0
+    else:
+        weights, step = _flat(np.broadcast_to(w, x.shape)), H
+    gate = _flat(np.zeros(0) if z is None else np.broadcast_to(z, x.shape))
+    return _compiled(compiled.normalised, x.shape, _flat(x), H, _flat(root), _flat(rel), kind, weights, step, gate,
+                     _E64, _MARGIN64)
+
+
 def rmsnorm(eps, x, w, *, work):
+    if work is np.float64:
+        return _normalised_compiled(eps, x, 1, w)
     fp = _Work(work)
     n, rel = _normalised(fp, eps, x)
     y = n * fp.array(w)
@@ -178,6 +222,8 @@ def rmsnorm(eps, x, w, *, work):
 
 def rmsnorm_offset(eps, x, w, *, work):
     """(1 + w) rounds once (u, relative to itself whatever the cancellation), the product (u)."""
+    if work is np.float64:
+        return _normalised_compiled(eps, x, 2, w)
     fp = _Work(work)
     n, rel = _normalised(fp, eps, x)
     y = n * (1 + fp.array(w))
@@ -185,6 +231,8 @@ def rmsnorm_offset(eps, x, w, *, work):
 
 
 def rmsnorm_unit(eps, x, *, work):
+    if work is np.float64:
+        return _normalised_compiled(eps, x, 0)
     w = _Work(work)
     y, rel = _normalised(w, eps, x)
     return y, w.rad(y, rel)
@@ -192,6 +240,8 @@ def rmsnorm_unit(eps, x, *, work):
 
 def rmsnorm_gated(eps, x, z, w, *, work):
     """w (x / rms) silu(z): silu's relative error and absolute part, two more roundings."""
+    if work is np.float64:
+        return _normalised_compiled(eps, x, 3, w, z)
     fp = _Work(work)
     n, rel = _normalised(fp, eps, x)
     z = fp.array(z)
@@ -202,6 +252,8 @@ def rmsnorm_gated(eps, x, z, w, *, work):
 
 
 def l2norm(eps, x, *, work):
+    if work is np.float64:
+        return _normalised_compiled(eps, x, 0, mean=False)
     w = _Work(work)
     y, rel = _normalised(w, eps, x, mean=False)
     return y, w.rad(y, rel)
@@ -221,19 +273,21 @@ def rope(theta, rot, denom, active, pos, x, *, work):
     D = x.shape[-1]
     half = rot // 2
     positions = np.asarray(pos).astype(w.type)
-    y = x.copy()
-    rad = np.zeros_like(x)
     log_theta = abs(float(np.log(theta)))
+    freqs, rel_freqs = np.zeros(min(half, D), dtype=w.type), np.zeros(min(half, D))
     for i in range(min(half, D)):
-        j = i + half
         if i < active:
             exponent = -(2 * w.type(i) / w.type(denom))
-            freq = np.power(theta, exponent)
-            rel_freq = w.elementary + w.u + abs(float(exponent)) * log_theta * w.u * 2
-        else:
-            freq, rel_freq = w.type(0), 0.0
-        angle = positions * freq
-        error = np.abs(angle) * (rel_freq + w.u) + w.elementary  # of cos and of sin
+            freqs[i] = np.power(theta, exponent)
+            rel_freqs[i] = w.elementary + w.u + abs(float(exponent)) * log_theta * w.u * 2
+    if work is np.float64:
+        return _compiled(compiled.rope, x.shape, _flat(x), D, half, _flat(positions), freqs, rel_freqs, _E64, _MARGIN64)
+    y = x.copy()
+    rad = np.zeros_like(x)
+    for i in range(min(half, D)):
+        j = i + half
+        angle = positions * freqs[i]
+        error = np.abs(angle) * (rel_freqs[i] + w.u) + w.elementary  # of cos and of sin
         cos, sin = np.cos(angle), np.sin(angle)
         xi = x[..., i]
         xj = x[..., j] if j < D else np.zeros_like(xi)
@@ -269,6 +323,9 @@ def _halves(gu):
 
 def silu_mul(gu, *, work):
     """silu(gate) up: silu's bound and one more rounding."""
+    if work is np.float64:
+        gate, up = _halves(np.asarray(gu))
+        return _compiled(compiled.silu_mul, gate.shape, _flat(gate), _flat(up), _E64, _MARGIN64)
     w = _Work(work)
     gate, up = _halves(w.array(gu))
     s, rel = _sigmoid(w, gate)
@@ -277,6 +334,10 @@ def silu_mul(gu, *, work):
 
 
 def gelu_mul(gu, *, work):
+    if work is np.float64:
+        gate, up = _halves(np.asarray(gu))
+        return _compiled(compiled.gelu_mul, gate.shape, _flat(gate), _flat(up), _GELU_K[work], _GELU_A[work], _E64,
+                         _MARGIN64)
     w = _Work(work)
     gate, up = _halves(w.array(gu))
     g, rel, absolute = _gelu(w, gate)
@@ -289,6 +350,9 @@ def residual(r, x, h, *, work):
     to |r h|, since the sum may cancel it)."""
     w = _Work(work)
     r = w.real(r)
+    if work is np.float64:
+        x, h = np.broadcast_arrays(np.asarray(x), np.asarray(h))
+        return _compiled(compiled.residual, x.shape, r, _flat(x), _flat(h), _MARGIN64)
     product = r * w.array(h)
     y = w.array(x) + product
     return y, w.rad(y, w.u, w.u * np.abs(product) * 2 + 2 * w.tiny)
@@ -296,7 +360,10 @@ def residual(r, x, h, *, work):
 
 def embed(c, E, tokens, *, work):
     w = _Work(work)
-    y = w.real(c) * w.array(np.asarray(E)[np.asarray(tokens)])
+    rows = np.asarray(E)[np.asarray(tokens)]
+    if work is np.float64:
+        return _compiled(compiled.scaled, rows.shape, w.real(c), _flat(rows), _MARGIN64)
+    y = w.real(c) * w.array(rows)
     return y, w.rad(y, w.u, 2 * w.tiny)
 
 
@@ -324,6 +391,14 @@ def _softmax(w: _Work, s, s_rad, visible):
     own radii; exp turns z's absolute error into a relative one and errs by E; the sum of L
     nonnegative terms errs by (L - 1) u plus its terms' largest relative error; the quotient rounds.
     Underflowed terms are off by at most tiny (the sum is >= 1)."""
+    if w.type is np.float64:
+        L = s.shape[-1]
+        p, rel = np.empty(s.shape), np.empty(s.shape)
+        if s.size:
+            compiled.softmax(_flat(s), _flat(np.broadcast_to(s_rad, s.shape)),
+                             np.ascontiguousarray(np.broadcast_to(visible, s.shape)).reshape(-1), L, _E64,
+                             p.reshape(-1), rel.reshape(-1))
+        return p, rel
     masked = np.where(visible, s, -np.inf)
     top_index = np.argmax(masked, axis=-1)[..., None]
     top = np.take_along_axis(masked, top_index, axis=-1)
@@ -346,7 +421,7 @@ def softmax(s, visible, *, work):
     w = _Work(work)
     s = w.array(s)
     visible = np.broadcast_to(np.asarray(visible, dtype=bool), s.shape)
-    p, rel = _softmax(w, s, 0, visible)
+    p, rel = _softmax(w, s, 0.0, visible)
     return p, np.where(visible, w.rad(p, rel, 2 * w.tiny), 0).astype(w.type)
 
 
@@ -390,6 +465,9 @@ def decode_gqa(scale, q, k, v, *, work):
 
 
 def sigmoid_gate(o, gate, *, work):
+    if work is np.float64:
+        o, gate = np.broadcast_arrays(np.asarray(o), np.asarray(gate))
+        return _compiled(compiled.sigmoid_gate, o.shape, _flat(o), _flat(gate), _E64, _MARGIN64)
     w = _Work(work)
     o = w.array(o)
     s, rel = _sigmoid(w, w.array(gate))

@@ -1,0 +1,160 @@
+"""The judging's per-element arithmetic, compiled: one loop over the output for each stage's knowledge
+and one for the verdict's (``judging._enclosed`` and ``judging._judge`` call them).
+
+Each loop does, element by element and in the same order of operations, what the judging states in
+array terms: the error's bounds from an enclosure, the error in ULPs at the error model's scale and at
+the low end of its enclosure, the undecided elements, the first zero-scale and the worst over-budget
+element, the extremes that settle the largest error's printed digits, and whether the trivially wrong
+answers (zeros, the sign flipped) lie within the allowance.  numba compiles them with IEEE semantics
+(no fastmath: no reassociation, no contraction into fused multiply-adds) and numpy's error model (a
+division by zero gives inf or nan, as numpy's does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gemma4_conformance.spec.compiled import nan_max, jit
+
+
+@jit
+def _scale_ulp(scale, precision, emin, max_finite, floats, ints):
+    """``spec.scale_ulp`` of one element: 2^(max(e, emin) - (precision - 1)), e = floor(log2 |scale|),
+    read from float64's exponent field (``floats`` and ``ints``: two scratch words, one memory)."""
+    magnitude = abs(scale)
+    if not math.isfinite(magnitude):
+        magnitude = max_finite
+    floats[0] = magnitude
+    e = emin if magnitude == 0 else max(((ints[0] >> 52) & 0x7FF) - 1023, emin)  # a subnormal's is below emin
+    e = e - (precision - 1)
+    if e < -1022:  # the ULP is subnormal
+        return math.ldexp(1.0, e)
+    ints[1] = (e + 1023) << 52
+    return floats[1]
+
+
+@jit
+def _bounds(g, mid, rad, slack):
+    """From an enclosure mid ± rad (float64) of an exact result: the radius (inf where it does not
+    bound: rad nan or mid not finite), |g - mid| and its low and high bounds (``judging._SLACK``)."""
+    r = rad
+    if r != r or not math.isfinite(mid):
+        r = math.inf
+    d = abs(g - mid)
+    exact_rad = r * (1 + slack)  # mid is the float64 exact64: it adds nothing
+    return exact_rad if math.isfinite(exact_rad) else math.inf, d, nan_max(d - r, 0.0) * (1 - slack), \
+        (d + r) * (1 + slack)
+
+
+@jit
+def stage_bounds(got, mid, rad, slack):
+    """``_bounds`` of every element, as arrays (radius, error, low, high)."""
+    n = got.size
+    radius, error, low, high = np.empty(n), np.empty(n), np.empty(n), np.empty(n)
+    for i in range(n):
+        radius[i], error[i], low[i], high[i] = _bounds(got[i], mid[i], rad[i], slack)
+    return radius, error, low, high
+
+
+@jit
+def _answer_distance(answer, exact, rad, slack):
+    """``distance(answer, 0)`` of the judging: |answer - exact| + 0 rad (nan where rad is inf)."""
+    return nan_max(abs(answer - exact) + 0 * rad * (1 + slack), 0.0)
+
+
+@jit
+def _admits(apart, rad, allowance, slack, within, surely, beyond):
+    """Fold one element into (all within, all surely within, any surely beyond) the allowance."""
+    return (within and apart <= allowance, surely and apart + rad * (1 + slack) <= allowance * (1 - slack),
+            beyond or apart - rad * (1 + slack) > allowance * (1 + slack))
+
+
+@jit
+def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute, right_inf, undecided_in,
+                  allowed, precision, emin, max_finite, slack, ulps, ulps_high, undecided):
+    """One pass of ``judging._judge`` over its elements (all arrays flat, float64; ``absolute`` may
+    hold one value for all; ``right_inf`` and ``undecided_in`` empty where every output is finite).
+    ``error`` and its bounds empty: ``exact`` and ``rad`` are an enclosure's mid and radius, whose
+    bounds (``_bounds``) it makes as it goes.  Writes the ULPs, their upper bounds (unless
+    ``ulps_high`` is empty) and the undecided elements; returns how many ULPs are not finite,
+    the first zero-scale element, the worst over-budget element (-1: none),
+    the largest lower and upper bounds of the ULPs (the contenders' test), whether any radius is
+    positive, and (all within, all surely within, any surely beyond) the allowance for zeros and for
+    the sign flipped."""
+    n = got.size
+    keep_high = ulps_high.size > 0
+    enclosed = error.size == 0
+    flags = right_inf.size > 0
+    zero_first, worst, worst_ulps = -1, -1, -1.0
+    least, most = -math.inf, -math.inf
+    not_finite = 0
+    step = 1 if absolute.size > 1 else 0
+    uniform_unit = absolute[0] / allowed if n > 0 else 0.0  # a / allowed where absolute is one value
+    uncertain = False
+    z_within, z_surely, z_beyond = True, True, False  # zeros
+    f_within, f_surely, f_beyond = True, True, False  # the sign flipped
+    floats = np.empty(2)
+    ints = floats.view(np.int64)
+    for i in range(n):
+        g, e, r, s, a = got[i], exact[i], rad[i], scale[i], absolute[i * step]
+        if enclosed:
+            r, err, err_low, err_high = _bounds(g, e, r, slack)
+        else:
+            err, err_low, err_high = error[i], error_low[i], error_high[i]
+        finite = math.isfinite(g)
+        spacing = _scale_ulp(s, precision, emin, max_finite, floats, ints)
+        a_unit = a / allowed if step else uniform_unit
+        unit = spacing + a_unit
+        unit_low = _scale_ulp(nan_max(s - r, 0.0), precision, emin, max_finite, floats, ints) + a_unit
+        u = err / unit if finite else math.inf
+        u_high = err_high / unit_low if finite else math.inf
+        right = flags and right_inf[i]
+        if right:
+            u = 0.0
+        und = flags and undecided_in[i] and (not right or abs(e) <= r)
+        zero_scale = s == 0 and a == 0 and finite and err != 0
+        if finite and a == 0 and s > 0 and s <= r:
+            und = True
+        if zero_scale and r > 0:
+            und = True
+        if finite and not zero_scale and u > allowed and u > worst_ulps:
+            worst, worst_ulps = i, u
+        if zero_scale and zero_first < 0:
+            zero_first = i
+        if finite and not zero_scale and not u_high <= allowed * (1 - slack) and r > 0:
+            und = True
+        ulps[i], undecided[i] = u, und
+        if keep_high:
+            ulps_high[i] = u_high
+        if not math.isfinite(u):
+            not_finite += 1
+        if r > 0:
+            uncertain = True
+        allowance = allowed * spacing + a
+        z_within, z_surely, z_beyond = _admits(_answer_distance(0.0, e, r, slack), r, allowance, slack,
+                                               z_within, z_surely, z_beyond)
+        f_within, f_surely, f_beyond = _admits(_answer_distance(-e, e, r, slack), r, allowance, slack,
+                                               f_within, f_surely, f_beyond)
+        if finite and not right:
+            most = nan_max(most, u_high)
+            if not u <= least:  # the error's lower bound is at most u: below least it leaves it as it is
+                low = err_low / (_scale_ulp(s + r, precision, emin, max_finite, floats, ints) + a_unit)
+                least = nan_max(least, low)
+    return not_finite, zero_first, worst, least, most, uncertain, \
+        (z_within, z_surely, z_beyond), (f_within, f_surely, f_beyond)
+
+
+@jit
+def admits(answer, exact, rad, scale, absolute, allowed, precision, emin, max_finite, slack):
+    """(all within, all surely within, any surely beyond) the allowance, for one more trivial answer."""
+    within, surely, beyond = True, True, False
+    floats = np.empty(2)
+    ints = floats.view(np.int64)
+    step = 1 if absolute.size > 1 else 0
+    for i in range(answer.size):
+        allowance = allowed * _scale_ulp(scale[i], precision, emin, max_finite, floats, ints) + absolute[i * step]
+        within, surely, beyond = _admits(_answer_distance(answer[i], exact[i], rad[i], slack), rad[i], allowance,
+                                         slack, within, surely, beyond)
+    return within, surely, beyond

@@ -1,0 +1,232 @@
+"""The enclosures of ``spec.enclosures`` in float64, compiled: one loop per element (numba).
+
+Each kernel evaluates its enclosure's formula (derived beside it in ``spec.enclosures``) with the same
+operations in the same order, on flat float64 arrays, into the arrays ``mid`` and ``rad`` it is given
+(numpy's, which ask the kernel for huge pages: writing numba's own new arrays cost more in page
+faults than the arithmetic).  numba compiles
+with IEEE semantics: no fastmath, so no reassociation and no contraction into fused multiply-adds
+the bounds do not state; ``error_model="numpy"``, so a division by zero gives inf or nan as numpy's
+does.  exp and tanh are LLVM's intrinsics, which call the C library's (tests/test_enclosures.py
+measures them against mpmath, as it does numpy's).  Compiled code is cached beside this file, or,
+where the package's folder is read-only (an installed wheel), in numba's per-user cache folder
+(``NUMBA_CACHE_DIR`` overrides both).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+jit = numba.njit(cache=True, error_model="numpy")
+
+U = 2.0**-53  # float64's unit roundoff
+TINY = 2.0**-1022  # its smallest normal number
+
+
+def constants(elementary: float, margin: float):
+    """(E, MARGIN) of ``spec.enclosures`` for float64: E = ELEMENTARY u."""
+    return elementary * U, margin
+
+
+@jit
+def nan_max(a, b):
+    """np.maximum: nan if either is nan."""
+    if a != a or b != b:
+        return a + b
+    return a if a >= b else b
+
+
+@jit
+def _rad(mid, relative, absolute, margin):
+    """relative |mid| + absolute, with the margin; inf where mid is not finite."""
+    if not math.isfinite(mid):
+        return math.inf
+    return (relative * abs(mid) + absolute) * margin
+
+
+@jit
+def _sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+@jit
+def sigmoid(x, E, margin, mid, rad):
+    for i in range(x.size):
+        y = _sigmoid(x[i])
+        mid[i], rad[i] = y, _rad(y, E + 2 * U, 2 * TINY, margin)
+
+
+@jit
+def silu(x, E, margin, mid, rad):
+    for i in range(x.size):
+        y = x[i] * _sigmoid(x[i])
+        mid[i], rad[i] = y, _rad(y, E + 2 * U + U, 2 * TINY * (1 + abs(x[i])), margin)
+
+
+@jit
+def _gelu(x, k, a, E):
+    """(y, relative, absolute) of ``spec.enclosures._gelu`` for one x."""
+    t = -2 * k * (x + a * (x * x * x))
+    e = math.exp(t)
+    y = x / (1 + e)
+    passed = e / (1 + e) if math.isfinite(e) else 1.0
+    rel = 2 * U + passed * (E + 7 * U * (abs(t) if math.isfinite(t) else 0.0))
+    return y, rel, 2 * TINY * (1 + abs(x))
+
+
+@jit
+def gelu_tanh(x, k, a, E, margin, mid, rad):
+    for i in range(x.size):
+        y, rel, absolute = _gelu(x[i], k, a, E)
+        mid[i], rad[i] = y, _rad(y, rel, absolute, margin)
+
+
+@jit
+def softcap(c, x, E, margin, mid, rad):
+    for i in range(x.size):
+        y = c * math.tanh(x[i] / c)
+        mid[i], rad[i] = y, _rad(y, E + 3 * U, 2 * TINY * (1 + abs(c)), margin)
+
+
+@jit
+def silu_mul(gate, up, E, margin, mid, rad):
+    for i in range(gate.size):
+        g = gate[i]
+        y = g * _sigmoid(g) * up[i]
+        mid[i], rad[i] = y, _rad(y, E + 2 * U + 2 * U, 2 * TINY * (1 + abs(g)) * abs(up[i]), margin)
+
+
+@jit
+def gelu_mul(gate, up, k, a, E, margin, mid, rad):
+    for i in range(gate.size):
+        g, rel, absolute = _gelu(gate[i], k, a, E)
+        y = g * up[i]
+        mid[i], rad[i] = y, _rad(y, rel + U, absolute * abs(up[i]), margin)
+
+
+@jit
+def residual(r, x, h, margin, mid, rad):
+    for i in range(x.size):
+        product = r * h[i]
+        y = x[i] + product
+        mid[i], rad[i] = y, _rad(y, U, U * abs(product) * 2 + 2 * TINY, margin)
+
+
+@jit
+def scaled(c, x, margin, mid, rad):
+    """c x, one rounding (embed's rows)."""
+    for i in range(x.size):
+        y = c * x[i]
+        mid[i], rad[i] = y, _rad(y, U, 2 * TINY, margin)
+
+
+@jit
+def sigmoid_gate(o, gate, E, margin, mid, rad):
+    for i in range(o.size):
+        y = o[i] * _sigmoid(gate[i])
+        mid[i], rad[i] = y, _rad(y, E + 2 * U + U, 2 * TINY * (1 + abs(o[i])), margin)
+
+
+@jit
+def normalised(x, H, root, rel, kind, w, w_step, z, E, margin, mid, rad):
+    """x / root per row of H, times a factor by ``kind``: 0 none, 1 w, 2 (1 + w), 3 w silu(z) (as
+    ``spec.enclosures.rmsnorm_gated``); ``rel`` is the root's relative error per row, and w's row
+    is w[row * w_step:] (w_step 0: one row for all)."""
+    for row in range(root.size):
+        r, rn = root[row], rel[row] + U
+        for j in range(H):
+            i = row * H + j
+            n = x[i] / r
+            if kind == 0:
+                y, relative, absolute = n, rn, 0.0
+            elif kind == 1:
+                y, relative, absolute = n * w[row * w_step + j], rn + U, 0.0
+            elif kind == 2:
+                y, relative, absolute = n * (1 + w[row * w_step + j]), rn + 2 * U, 0.0
+            else:
+                weighted = w[row * w_step + j] * n
+                y = weighted * (z[i] * _sigmoid(z[i]))
+                relative, absolute = rn + (E + 2 * U) + 3 * U, 2 * TINY * abs(weighted) * (1 + abs(z[i]))
+            mid[i], rad[i] = y, _rad(y, relative, absolute, margin)
+
+
+@jit
+def softmax(s, s_rad, visible, L, E, mid, rel):
+    """Weights p and their relative errors per row of L (``spec.enclosures._softmax``): the row's
+    largest visible logit (the first, or the first nan; the first logit where none is visible) is
+    shifted to 0, and the exp terms are summed in order (their error bound holds in any order)."""
+    for row in range(s.size // L):
+        start = row * L
+        top_index, top, count = start, -math.inf, 0
+        for j in range(start, start + L):
+            if visible[j]:
+                count += 1
+                if top == top and (s[j] > top or s[j] != s[j]):
+                    top_index, top = j, s[j]
+        top_rad = s_rad[top_index]
+        if not math.isfinite(top):
+            top = 0.0
+        total, worst = 0.0, 0.0
+        for j in range(start, start + L):
+            mid[j], rel[j] = 0.0, 0.0
+            if visible[j]:
+                z = s[j] - top
+                mid[j] = math.exp(z)
+                total += mid[j]
+                shift = s_rad[j] + top_rad + U * abs(z)
+                rel[j] = math.expm1(shift if not shift > 700.0 else 700.0) + E  # e^d - 1: a shift off by d
+                worst = nan_max(worst, rel[j])
+        rel_total = worst + (count - 1) * U
+        for j in range(start, start + L):
+            if visible[j]:
+                mid[j] = mid[j] / (total if total > 0 else 1.0)
+                rel[j] = rel[j] + rel_total + U
+
+
+@jit
+def rope(x, D, half, positions, freq, rel_freq, E, margin, mid, rad):
+    """Rotate-half RoPE (``spec.enclosures.rope``) of N rows of D at ``positions``, one frequency (and
+    its relative error) per rotated pair i, i + half (i < freq.size); the rest pass through."""
+    for row in range(positions.size):
+        base = row * D
+        for k in range(D):
+            mid[base + k] = x[base + k]
+            rad[base + k] = 0.0
+        for i in range(freq.size):
+            j = i + half
+            angle = positions[row] * freq[i]
+            error = abs(angle) * (rel_freq[i] + U) + E  # of cos and of sin
+            cos, sin = math.cos(angle), math.sin(angle)
+            xi = x[base + i]
+            xj = x[base + j] if j < D else 0.0
+            y = xi * cos - xj * sin
+            mid[base + i] = y
+            rad[base + i] = (abs(xi) + abs(xj)) * error + 2 * U * (abs(xi * cos) + abs(xj * sin)) + U * abs(y) \
+                + 4 * TINY
+            if j < D:
+                y = xj * cos + xi * sin
+                mid[base + j] = y
+                rad[base + j] = (abs(xi) + abs(xj)) * error + 2 * U * (abs(xj * cos) + abs(xi * sin)) + U * abs(y) \
+                    + 4 * TINY
+        for k in range(D):
+            mid_k = mid[base + k]
+            rad[base + k] = _rad(mid_k, 0.0, rad[base + k], margin)
+
+
+@jit
+def sums_of_squares(x, H, margin, squares, rad):
+    """sum_k x_k^2 per row of H, in order, and its bound: x of at most 24 significant bits squares
+    exactly in float64 (2 x 24 <= 53 bits; the squares of float32's extremes, 2^-298 and 2^256, lie
+    inside float64's normal range), and a recursive sum of n = H - 1 additions of nonnegative terms errs
+    by at most gamma_n s, gamma_n = n u / (1 - n u) (Higham, Accuracy and Stability, 4.2).  For
+    n u <= 1/4, gamma_n s <= 2 n u s-hat (s <= s-hat / (1 - gamma_n)); the margin covers the bound's own
+    roundings.  Past that (H > 2^51) there is no bound: inf."""
+    for row in range(squares.size):
+        total = 0.0
+        for k in range(row * H, row * H + H):
+            total += x[k] * x[k]
+        n = H - 1 if H > 0 else 0
+        squares[row] = total
+        rad[row] = 2 * n * U * total * margin if n * U <= 0.25 else math.inf
