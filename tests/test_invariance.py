@@ -67,6 +67,19 @@ def test_a_claim_that_breaks_fails_the_run_and_its_rerun_fails_again(tmp_path):
     assert done.returncode == EXIT_NOT_CONFORMANT and "claims it" in done.stdout, done.stdout[-3000:]
 
 
+def test_every_sequence_is_held_to_the_batch_claim(tmp_path):
+    """The prompt that joins a decoding sequence takes the decode kernel; the sequence it joins does not
+    vary.  Caught by the fixed schedule, in the ci profile."""
+    mutant = "tests.invariance_mutants:ADAPTERS.decode_kernel_in_a_mixed_step"
+    status, out, doc = suite(tmp_path, f"--backend={mutant}", "--dtype=float32", "--hypothesis-profile=ci",
+                             "-k", "test_invariance and batch")
+    assert status == EXIT_NOT_CONFORMANT, out[-3000:]
+    entry = next(e for e in doc["invariance"] if e["relation"] == "batch")
+    assert entry["outcome"] == "failed" and entry["worst"]["sequence"] == 1, entry
+    assert "sequence 1, beside its partners against alone" in entry["message"]
+    assert "sequence 0" not in entry["message"]
+
+
 def test_each_mutant_breaks_only_under_a_claim():
     assert all(m.invariance and m.invariance < ROW_BY_ROW.invariance for m in MUTANTS)
 

@@ -5,9 +5,9 @@ when nothing a user controls changes.  Three relations on a session (the serving
 serving.py), each compared bitwise, never against the reference:
 
 * run: a schedule played twice, each time in a fresh session, gives the same logits;
-* batch: a sequence's logits alone (the same chunks and decode steps, in a session of its own) equal
-  its logits beside the schedule's partners, which join and leave while it runs (the first sequence
-  of the schedule: every other one would cost a play of its own);
+* batch: each sequence's logits alone (the same chunks and decode steps, in a session of its own)
+  equal its logits beside the schedule's partners, which join and leave while it runs: every
+  sequence, since a kernel may change for the one that joins and not for the one it joins;
 * chunk: a prompt prefilled in one call, in the drawn chunks and token by token gives the same logits
   at every position (its decode steps included), each way alone in its session.
 
@@ -39,7 +39,7 @@ from .table import OPS
 
 RELATIONS = INVARIANCE
 DESCRIPTIONS = {"run": "the same schedule played twice, in fresh sessions",
-                "batch": "a sequence alone against beside its partners",
+                "batch": "each sequence alone against beside its partners",
                 "chunk": "a prompt prefilled in one call, in chunks and token by token"}
 
 
@@ -103,7 +103,7 @@ def _alone(sequence: dict, chunks: list[int]) -> dict:
 class Plays:
     """Plays shared by the relations, per adapter, dtype, schedule and tokens: the run relation's first play
     of a schedule is the batch relation's play beside the partners, and the batch relation's first
-    sequence alone is the chunk relation's play in the drawn chunks (a fifth of the cost less).  The run
+    sequence alone is the chunk relation's play in the drawn chunks.  The run
     relation's second play is always a fresh one."""
 
     def __init__(self):
@@ -120,21 +120,21 @@ def check(relation: str, adapter, schedule: dict, documents: Documents, dtype: s
     """Play what ``relation`` compares for ``schedule`` (through ``plays``) and compare it bitwise."""
     sequences = schedule["sequences"]
     tokens = [documents.of(k, s) for k, s in enumerate(sequences)]
-    first = _alone(sequences[0], sequences[0]["chunks"])
     if relation == "run":
         again, _, _ = play(adapter, schedule, tokens, documents, dtype)
         pairs = [(k, again[k], rows, "the second play against the first")
                  for k, rows in enumerate(plays(adapter, schedule, tokens, documents, dtype))]
-    elif relation == "batch":  # the first sequence, which the others join and leave: two plays, not one a sequence
-        pairs = [(0, plays(adapter, schedule, tokens, documents, dtype)[0],
-                  plays(adapter, first, tokens[:1], documents, dtype)[0], "beside its partners against alone")]
+    elif relation == "batch":  # every sequence, each alone in a play of its own
+        together = plays(adapter, schedule, tokens, documents, dtype)
+        pairs = [(k, together[k], plays(adapter, _alone(s, s["chunks"]), tokens[k:k + 1], documents, dtype)[0],
+                  "beside its partners against alone") for k, s in enumerate(sequences)]
     else:  # chunk: the first sequence, alone, its prompt in one call, in its drawn chunks, token by token
         s = sequences[0]
         prompt = sum(s["chunks"])
         whole = plays(adapter, _alone(s, [prompt]), tokens[:1], documents, dtype)[0]
         ways = {"token by token": _alone(s, [1] * prompt)}
         if s["chunks"] != [prompt]:
-            ways[f"in chunks {s['chunks']}"] = first
+            ways[f"in chunks {s['chunks']}"] = _alone(s, s["chunks"])
         pairs = [(0, plays(adapter, alone, tokens[:1], documents, dtype)[0], whole, f"{way} against one call")
                  for way, alone in ways.items()]
     differences = []
