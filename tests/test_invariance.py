@@ -58,6 +58,8 @@ def test_a_claim_that_breaks_fails_the_run_and_its_rerun_fails_again(tmp_path):
     assert status == EXIT_NOT_CONFORMANT, out[-3000:]
     entries = {e["relation"]: e for e in doc["invariance"]}
     assert {r: e["outcome"] for r, e in entries.items()} == {"run": "held", "batch": "failed", "chunk": "held"}
+    assert ("breaks an invariance the engine claims; broken invariance claims: keys_in_bf16_when_batch_large "
+            "float32 batch") in next(line for line in out.splitlines() if line.startswith("conformance exit status"))
     entry = entries["batch"]
     assert entry["claimed"] and entry["outcome"] == "failed" and entry["worst"]["ulps"] > 1
     assert "batch invariance" in entry["message"] and "rows differ" in entry["message"]

@@ -178,6 +178,12 @@ class InvarianceRecord:
             self.outcome, self.message, self.rerun = ("failed" if self.claimed else "varies"), message, rerun
 
 
+def broken_claims(records) -> list[str]:
+    """Each claimed relation that does not hold, as "backend dtype relation": what the exit line names."""
+    return [f"{r.backend} {r.dtype} {r.relation}" for r in sorted(records, key=lambda r: (r.backend, r.dtype, r.relation))
+            if r.outcome == "failed"]
+
+
 # ----------------------------------------------------------------------------------------- op by op
 
 # How many nodes of each op a forward checks: the first ones (a layer of each kind holds every op).
