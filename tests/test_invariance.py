@@ -17,10 +17,11 @@ from gemma4_conformance.properties.invariance import (
     InvarianceRecord,
     OpInvariance,
     OpInvarianceRecord,
+    Verdict,
     compare,
 )
 from gemma4_conformance.report import data, html
-from gemma4_conformance.report.record import Recorder
+from gemma4_conformance.report.record import Recorder, invariance_lines
 from tests.invariance_mutants import MUTANTS, ROW_BY_ROW
 from tests.test_plugin import rerun_elsewhere, suite
 
@@ -112,6 +113,21 @@ def test_compare_counts_rows_bitwise_and_measures_ulps():
     assert found.ulps == 1
 
 
+def test_a_difference_is_measured_at_the_rows_scale_as_accuracy_is_and_value_by_value():
+    """8.2e-6 on a row of logits up to 19.9 is about 4 ULPs at the row's scale (ulp(19.9) = 2^-19), and
+    thousands of float32 values apart where it falls near zero."""
+    a = np.array([[19.9, 1e-3, -2.0]], np.float32)
+    b = a.copy()
+    b[0, 1] += np.float32(8.2e-6)
+    found = compare(b, a, "float32", 1, "beside its partners against alone")
+    assert found.scaled == pytest.approx(8.2e-6 / 2.0 ** -19, rel=1e-2) and found.ulps > 1000
+    message = Verdict(3, [found]).message("batch", "float32")
+    assert f"by up to 4.3 ULPs at the row's scale ({found.ulps:.3g} value by value)" in message
+    record = InvarianceRecord("b", "float32", "batch", claimed=True)
+    record.add(Verdict(3, [found]))
+    assert "4.3 ULPs at the row's scale" in "\n".join(invariance_lines([record], []))
+
+
 def test_the_op_check_finds_a_kernel_chosen_by_the_number_of_rows():
     """linear in two K halves from 4 rows: each row alone is the other kernel; 3 rows still the same."""
     ops = OpInvariance(MUTANTS[0], "float32")
@@ -134,6 +150,8 @@ def test_documents_without_the_invariance_keys_still_load_and_merge():
                                      "differing": 1, "ulps": 3.0, "where": "layers.0.q: rows 0..0 alone"}]}
     assert "Invariance was not tested." in html.render([old])
     assert "linear (3 ULPs; first at layers.0.q: rows 0..0 alone)" in html.render([old, new])
+    scaled = {**new, "op_invariance": [{**new["op_invariance"][0], "scaled": 0.5}]}
+    assert "linear (0.5 ULPs at the row&#39;s scale, 3 value by value; first at layers.0.q" in html.render([scaled])
     with pytest.raises(data.ReportError, match="invariance"):
         data.validate({**doc, "invariance": [{"backend": "x"}]})
 
@@ -141,10 +159,10 @@ def test_documents_without_the_invariance_keys_still_load_and_merge():
 def test_an_xdist_worker_sends_its_invariance_records_and_an_older_one_sends_none():
     worker = Recorder()
     record = InvarianceRecord("b", "float32", "batch", claimed=True, outcome="failed", schedules=2, rows=14,
-                              differing=3, worst=Difference(0, 10, 3, 1.5e4, "beside its partners against alone",
+                              differing=3, worst=Difference(0, 10, 3, 4.0, 1.5e4, "beside its partners against alone",
                                                             {"sequences": []}), message="m", rerun="r")
     worker.invariance["b", "float32", "batch"] = record
-    worker.op_invariance["b", "float32", "linear"] = OpInvarianceRecord("b", "float32", "linear", 2, 36, 4, 9.0, "w")
+    worker.op_invariance["b", "float32", "linear"] = OpInvarianceRecord("b", "float32", "linear", 2, 36, 4, 2.0, 9.0, "w")
     controller = Recorder()
     controller.merge(json.loads(json.dumps(worker.export())))
     assert controller.invariance == worker.invariance and controller.op_invariance == worker.op_invariance

@@ -31,7 +31,7 @@ import numpy as np
 from gemma4_conformance.adapters import INVARIANCE
 from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec import CONTRACT
-from gemma4_conformance.spec.formats import ulp_distance
+from gemma4_conformance.spec.formats import scale_ulp, ulp_distance
 from gemma4_conformance.spec.model import forward
 
 from .serving import Documents, case_json, play
@@ -59,15 +59,31 @@ def claims(adapter) -> frozenset[str]:
 
 @dataclass
 class Difference:
-    """Where two plays of one sequence differ: the first differing position, how many rows differ, the
-    largest difference in ULPs of the dtype (0 when rows wider than the dtype differ below its ULP)."""
+    """Where two plays of one sequence differ: the first differing position, how many rows differ, and the
+    largest difference in two units: ``scaled``, in ULPs of the dtype at the row's scale (its largest
+    magnitude), the scale the accuracy verdicts use; ``ulps``, value by value (how many values of the
+    format lie between the two: near zero, where the format is dense, a small difference is many)."""
 
     sequence: int
     position: int
     rows: int
+    scaled: float
     ulps: float
     against: str  # what was compared, e.g. "token by token against one call"
     schedule: dict | None = None
+
+    def describe(self) -> str:
+        return f"{self.scaled:.3g} ULPs at the row's scale ({self.ulps:.3g} value by value)"
+
+
+def at_row_scale(a: np.ndarray, b: np.ndarray, dtype: str) -> float:
+    """The largest difference of a row of ``a`` from ``b``'s, in ULPs of ``dtype`` at the row's scale: its
+    largest magnitude in ``b`` (inf where a value is not finite in one and is in the other)."""
+    a, b = (np.asarray(x, np.float64).reshape(len(x), -1) for x in (a, b))
+    with np.errstate(invalid="ignore"):
+        gap = np.where(np.isfinite(a) & np.isfinite(b), np.abs(a - b), np.where(np.isnan(a) & np.isnan(b), 0, np.inf))
+    scale = np.max(np.abs(np.where(np.isfinite(b), b, 0)), axis=1)
+    return float(np.max(np.max(gap, axis=1) / scale_ulp(scale, dtype)))
 
 
 def compare(a: np.ndarray, b: np.ndarray, dtype: str, sequence: int, against: str) -> Difference | None:
@@ -79,7 +95,8 @@ def compare(a: np.ndarray, b: np.ndarray, dtype: str, sequence: int, against: st
     if not differ.any():
         return None
     ulps = float(ulp_distance(a[differ], b[differ], dtype).max())
-    return Difference(sequence, int(np.argmax(differ)), int(differ.sum()), ulps, against)
+    return Difference(sequence, int(np.argmax(differ)), int(differ.sum()), at_row_scale(a[differ], b[differ], dtype),
+                      ulps, against)
 
 
 @dataclass
@@ -92,7 +109,7 @@ class Verdict:
     def message(self, relation: str, dtype: str) -> str:
         lines = [f"{relation} invariance ({DESCRIPTIONS[relation]}) does not hold in {dtype}:"]
         lines += [f"  sequence {d.sequence}, {d.against}: from position {d.position}, {d.rows} rows differ, by up "
-                  f"to {d.ulps:.3g} ULPs" for d in self.differences]
+                  f"to {d.describe()}" for d in self.differences]
         return "\n".join(lines)
 
 
@@ -160,7 +177,7 @@ class InvarianceRecord:
     schedules: int = 0
     rows: int = 0  # rows compared
     differing: int = 0  # of those, rows that differ
-    worst: Difference | None = None  # the difference of the most ULPs
+    worst: Difference | None = None  # the difference of the most ULPs at the row's scale
     message: str = ""
     rerun: str = ""
 
@@ -169,7 +186,7 @@ class InvarianceRecord:
         self.rows += verdict.rows
         self.differing += sum(d.rows for d in verdict.differences)
         for d in verdict.differences:
-            if self.worst is None or d.ulps > self.worst.ulps:
+            if self.worst is None or d.scaled > self.worst.scaled:
                 self.worst = d
 
     def varied(self, message: str, rerun: str) -> None:
@@ -200,7 +217,8 @@ class OpInvarianceRecord:
     nodes: int = 0
     rows: int = 0
     differing: int = 0
-    ulps: float = 0.0
+    scaled: float = 0.0  # the largest difference, in ULPs at the row's scale (Difference)
+    ulps: float = 0.0  # the same, value by value
     where: str = ""  # the first difference: node and how the rows were split
 
     @property
@@ -245,7 +263,7 @@ class OpInvariance(AdapterOps):
                 record.where = f"{node}: rows {rows.start}..{rows.stop - 1} " + (
                     "alone" if M == 1 else f"in a block of {M}") + f" against in a call of {len(out)}"
             record.differing += found.rows
-            record.ulps = max(record.ulps, found.ulps)
+            record.scaled, record.ulps = max(record.scaled, found.scaled), max(record.ulps, found.ulps)
 
 
 def op_invariance(adapter, documents: Documents, dtype: str, tokens: int) -> list[OpInvarianceRecord]:

@@ -241,7 +241,8 @@ def invariance_entry(record) -> dict:
     """One ``invariance`` entry from a ``properties.invariance.InvarianceRecord``."""
     w = record.worst
     worst = None if w is None else {"sequence": w.sequence, "position": w.position, "rows": w.rows,
-                                    "ulps": encode(w.ulps), "against": w.against, "schedule": _jsonable(w.schedule)}
+                                    "scaled": encode(w.scaled), "ulps": encode(w.ulps), "against": w.against,
+                                    "schedule": _jsonable(w.schedule)}
     return {"backend": record.backend, "dtype": record.dtype, "relation": record.relation, "claimed": record.claimed,
             "outcome": record.outcome, "schedules": record.schedules, "rows": record.rows,
             "differing": record.differing, "worst": worst, "message": record.message, "rerun": record.rerun}
@@ -250,7 +251,8 @@ def invariance_entry(record) -> dict:
 def op_invariance_entry(record) -> dict:
     """One ``op_invariance`` entry from a ``properties.invariance.OpInvarianceRecord``."""
     return {"backend": record.backend, "dtype": record.dtype, "op": record.op, "nodes": record.nodes,
-            "rows": record.rows, "differing": record.differing, "ulps": encode(record.ulps), "where": record.where}
+            "rows": record.rows, "differing": record.differing, "scaled": encode(record.scaled),
+            "ulps": encode(record.ulps), "where": record.where}
 
 
 def document(recorder, env: dict | None = None, deviations=()) -> dict:

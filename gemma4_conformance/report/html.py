@@ -427,6 +427,13 @@ INVARIANCE_CLASSES = {"held": "ok", "varies": "warn", "failed": "fail", "errored
                       "not run": "notrun"}
 
 
+def _ulps(difference: dict) -> str:
+    """A difference at the row's scale and value by value, labelled (an older document has the second only)."""
+    if difference.get("scaled") is None:
+        return f"{shown(difference['ulps'])} ULPs"
+    return f"{shown(difference['scaled'])} ULPs at the row's scale, {shown(difference['ulps'])} value by value"
+
+
 def _invariance_cell(entry: dict | None) -> dict:
     """One relation of one backend and dtype: coloured by outcome (orange: not claimed and varies), its text
     the outcome and whether it was claimed, its title the worst difference."""
@@ -438,8 +445,8 @@ def _invariance_cell(entry: dict | None) -> dict:
     w = entry["worst"]
     if w is not None:
         title += f"; worst: sequence {w['sequence']} ({w['against']}) from position {w['position']}, " \
-                 f"{w['rows']} rows, up to {shown(w['ulps'])} ULPs"
-    text = entry["outcome"] + (f" · {shown(w['ulps'])} ULPs" if w is not None else "")
+                 f"{w['rows']} rows, up to {_ulps(w)}"
+    text = entry["outcome"] + (f" · {shown(w.get('scaled', w['ulps']))} ULPs" if w is not None else "")
     return {"cls": INVARIANCE_CLASSES[entry["outcome"]], "text": text, "title": title, "claimed": entry["claimed"]}
 
 
@@ -459,7 +466,7 @@ def invariance_section(page: Page) -> dict:
         i, backend, dtype = key
         entries = relations.get(key, {})
         checked = ops.get(key, [])
-        varying = [f"{e['op']} ({shown(e['ulps'])} ULPs; first at {e['where']})" for e in checked if e["differing"]]
+        varying = [f"{e['op']} ({_ulps(e)}; first at {e['where']})" for e in checked if e["differing"]]
         rows.append({"column": page.label(i, backend), "dtype": dtype,
                      "cells": [_invariance_cell(entries.get(r)) for r in INVARIANCE],
                      "ops": "; ".join(varying) or ("none" if checked else "—"), "checked": len(checked)})

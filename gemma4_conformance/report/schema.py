@@ -248,10 +248,12 @@ INVARIANCE_FIELDS = {
     "schedules": Field(int, "schedules compared (an integer; Hypothesis's shrinking included)"),
     "rows": Field(int, "the logit rows compared bitwise (an integer)"),
     "differing": Field(int, "of those, the rows that differ (an integer)"),
-    "worst": Field((dict, type(None)), "the difference of the most ULPs, or null when every row was identical: "
-                                       "{\"sequence\", \"position\" (the first differing one), \"rows\" (how many "
-                                       "differ), \"ulps\" (the largest difference, in ULPs of the dtype), "
-                                       "\"against\" (what was compared), \"schedule\"}"),
+    "worst": Field((dict, type(None)), "the difference of the most ULPs at the row's scale, or null when every "
+                                       "row was identical: {\"sequence\", \"position\" (the first differing one), "
+                                       "\"rows\" (how many differ), \"scaled\" (the largest difference, in ULPs of the "
+                                       "dtype at the row's scale, its largest magnitude; absent before it was "
+                                       "added), \"ulps\" (the same, value by value: how many values of the dtype lie "
+                                       "between the two), \"against\" (what was compared), \"schedule\"}"),
     "message": Field(str, 'the first difference found, every sequence of its schedule ("" when it held)'),
     "rerun": Field(str, 'the command that replays that schedule ("" when it held)'),
 }
@@ -264,7 +266,9 @@ OP_INVARIANCE_FIELDS = {
                        "compared"),
     "differing": Field(int, "of those, rows that differ from the same rows in the whole call: 0 when the op is "
                             "batch-invariant"),
-    "ulps": Field("number", "the largest difference in ULPs of the dtype"),
+    "scaled": Field(None, "the largest difference in ULPs of the dtype at the row's scale (its largest magnitude); "
+                          "optional"),
+    "ulps": Field("number", "the largest difference in ULPs of the dtype, value by value"),
     "where": Field(str, 'the first difference: the node and how its rows were split ("" when none)'),
 }
 PROBLEM_FIELDS = {
