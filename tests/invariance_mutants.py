@@ -124,6 +124,13 @@ def _permuted_sum(W, x):
     return np.add.accumulate(products, axis=-1)[..., -1]
 
 
+def _rmsnorm_in_random_order(eps, x, w):
+    """The sum of squares in a fresh random order per call, as atomic adds finish."""
+    order = np.random.default_rng().permutation(x.shape[-1])
+    mean = np.add.accumulate(x[..., order] ** 2, axis=-1)[..., -1:] / x.shape[-1]
+    return x / np.sqrt(mean + eps) * w
+
+
 def _prefill_kernel(scale, visible, q, k, v):
     """One query (a decode step) the row kernel; several (a prefill chunk) numpy's batched kernel."""
     return (_query_by_query if len(q) == 1 else numpy_backend._gqa)(scale, visible, q, k, v)
@@ -188,6 +195,7 @@ MUTANTS = [
     Engine("split_k_chosen_by_batch_size", {"batch"}, linear=_split_k_by_m),
     Engine("prefill_attention_kernel_not_decode", {"chunk"}, **_attention(_prefill_kernel)),
     Engine("nondeterministic_sum_order", {"run"}, linear=_permuted_sum),
+    Engine("rmsnorm_in_random_order", {"run"}, rmsnorm=_rmsnorm_in_random_order),
     Engine("keys_in_bf16_when_batch_large", {"batch"}, session_class=Bf16KeysSession),
     Engine("decode_kernel_in_a_mixed_step", {"batch"}, session_class=MixedStepSession,
            **_attention(_decode_kernel)),

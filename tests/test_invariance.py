@@ -22,7 +22,7 @@ from gemma4_conformance.properties.invariance import (
 )
 from gemma4_conformance.report import data, html
 from gemma4_conformance.report.record import Recorder, invariance_lines
-from tests.invariance_mutants import MUTANTS, ROW_BY_ROW
+from tests.invariance_mutants import ADAPTERS, MUTANTS, ROW_BY_ROW
 from tests.test_plugin import rerun_elsewhere, suite
 
 ROW_BY_ROW_SPEC = "tests.invariance_mutants:ADAPTERS.row_by_row"
@@ -141,6 +141,19 @@ def test_the_op_check_finds_a_kernel_chosen_by_the_number_of_rows():
     assert held.records["linear"].held and held.records["linear"].rows == 6 + 6 + 6
 
 
+def test_the_op_check_reports_run_variance_as_run_variance_not_batch_dependence():
+    """rmsnorm summing in a random order differs from itself on the same rows: not batch dependence."""
+    ops = OpInvariance(ADAPTERS.rmsnorm_in_random_order, "float32")
+    x = np.random.default_rng(0).standard_normal((6, 256)).astype(np.float32)
+    ops.op("layers.0.input_layernorm", "rmsnorm", 1e-6, x, np.ones(256, np.float32))
+    record = ops.records["rmsnorm"]
+    assert record.held and not record.repeats and record.repeated == 6 and record.unrepeated
+    assert record.run_where == "layers.0.input_layernorm: the call of 6 rows repeated"
+    lines = invariance_lines([], [record])
+    assert not any("not batch-inv." in line for line in lines) and any(
+        "varies run to run" in line and "rmsnorm" in line for line in lines), lines
+
+
 def test_documents_without_the_invariance_keys_still_load_and_merge():
     doc = data.document(Recorder(), env={})
     assert doc["invariance"] == [] and doc["op_invariance"] == []
@@ -152,6 +165,10 @@ def test_documents_without_the_invariance_keys_still_load_and_merge():
     assert "linear (3 ULPs; first at layers.0.q: rows 0..0 alone)" in html.render([old, new])
     scaled = {**new, "op_invariance": [{**new["op_invariance"][0], "scaled": 0.5}]}
     assert "linear (0.5 ULPs at the row&#39;s scale, 3 value by value; first at layers.0.q" in html.render([scaled])
+    run = {**new, "op_invariance": [{**new["op_invariance"][0], "differing": 0, "repeated": 6, "unrepeated": 4,
+                                     "run_where": "layers.0.q: the call of 6 rows repeated"}]}
+    assert "varies run to run: linear (4 of 6 rows; first at layers.0.q: the call of 6 rows repeated)" in \
+        html.render([run])
     with pytest.raises(data.ReportError, match="invariance"):
         data.validate({**doc, "invariance": [{"backend": "x"}]})
 

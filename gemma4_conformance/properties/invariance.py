@@ -16,7 +16,8 @@ of its document.  An adapter declares what it promises (``invariance``, adapters
 promise that breaks fails the run; an unpromised relation is measured and reported only.
 
 Op by op, ``OpInvariance`` finds which kernel breaks batch invariance: each op of a forward's graph,
-at its first nodes, computed on all its rows and on each row alone (``linear``, ``gate_up`` and
+at its first nodes, computed on all its rows twice (a call that does not repeat is run variance,
+reported as such) and on each row alone (``linear``, ``gate_up`` and
 ``lm_head`` also in blocks of several M rows: split-K and tile choices follow the batch size);
 attention on a query with the queries after it and the keys they see beside it, against the query
 alone with its own keys.
@@ -209,7 +210,9 @@ NODES_PER_OP = 2
 
 @dataclass
 class OpInvarianceRecord:
-    """Per backend, dtype and op: rows computed alone (or in blocks) against in the whole call."""
+    """Per backend, dtype and op: the whole call repeated, then (where it repeats) rows computed alone (or
+    in blocks) against in the whole call.  A node whose call does not repeat is run variance, not batch
+    dependence: its rows are not split."""
 
     backend: str
     dtype: str
@@ -220,10 +223,17 @@ class OpInvarianceRecord:
     scaled: float = 0.0  # the largest difference, in ULPs at the row's scale (Difference)
     ulps: float = 0.0  # the same, value by value
     where: str = ""  # the first difference: node and how the rows were split
+    repeated: int = 0  # rows of whole calls computed a second time
+    unrepeated: int = 0  # of those, rows that differ from the first time
+    run_where: str = ""  # the first node whose call did not repeat
 
     @property
     def held(self) -> bool:
         return self.differing == 0
+
+    @property
+    def repeats(self) -> bool:
+        return self.unrepeated == 0
 
 
 def _row_args(op: str) -> list[bool]:
@@ -244,6 +254,12 @@ class OpInvariance(AdapterOps):
         rowwise = _row_args(name)
         if record.nodes < NODES_PER_OP and any(rowwise) and len(out) > 1:
             record.nodes += 1
+            again = compare(super().op(node, name, *args), out, self.dtype, 0, "")
+            record.repeated += len(out)
+            if again is not None:  # run variance: a row alone would differ whatever the batch
+                record.run_where = record.run_where or f"{node}: the call of {len(out)} rows repeated"
+                record.unrepeated += again.rows
+                return out
             for M in (1, *OPS[name].blocks):
                 for start in range(0, len(out), M):
                     rows = slice(start, min(start + M, len(out)))

@@ -252,7 +252,8 @@ def op_invariance_entry(record) -> dict:
     """One ``op_invariance`` entry from a ``properties.invariance.OpInvarianceRecord``."""
     return {"backend": record.backend, "dtype": record.dtype, "op": record.op, "nodes": record.nodes,
             "rows": record.rows, "differing": record.differing, "scaled": encode(record.scaled),
-            "ulps": encode(record.ulps), "where": record.where}
+            "ulps": encode(record.ulps), "where": record.where, "repeated": record.repeated,
+            "unrepeated": record.unrepeated, "run_where": record.run_where}
 
 
 def document(recorder, env: dict | None = None, deviations=()) -> dict:

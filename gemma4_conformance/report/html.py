@@ -467,6 +467,8 @@ def invariance_section(page: Page) -> dict:
         entries = relations.get(key, {})
         checked = ops.get(key, [])
         varying = [f"{e['op']} ({_ulps(e)}; first at {e['where']})" for e in checked if e["differing"]]
+        varying += [f"varies run to run: {e['op']} ({e['unrepeated']} of {e['repeated']} rows; first at "
+                    f"{e['run_where']})" for e in checked if e.get("unrepeated")]
         rows.append({"column": page.label(i, backend), "dtype": dtype,
                      "cells": [_invariance_cell(entries.get(r)) for r in INVARIANCE],
                      "ops": "; ".join(varying) or ("none" if checked else "—"), "checked": len(checked)})

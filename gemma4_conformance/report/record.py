@@ -143,12 +143,16 @@ def invariance_lines(relations, ops) -> list[str]:
             text += f"; worst: sequence {r.worst.sequence} from position {r.worst.position}, {r.worst.describe()}"
         lines.append(f"{r.backend:<8} {r.dtype:<9} {'invariance:' + r.relation:<15} {what:<15} {text}")
     varying: dict[tuple[str, str], list[str]] = {}
+    unrepeated: dict[tuple[str, str], list[str]] = {}
     for r in sorted(ops, key=lambda r: (r.backend, r.dtype, r.op)):
         if not r.held:
             varying.setdefault((r.backend, r.dtype), []).append(f"{r.op} ({r.scaled:.3g} ULPs at the row's scale, "
                                                                 f"{r.ulps:.3g} value by value)")
-    for (backend, dtype), names in sorted(varying.items()):
-        lines.append(f"{backend:<8} {dtype:<9} {'not batch-inv.':<15} {', '.join(names)}")
+        if not r.repeats:
+            unrepeated.setdefault((r.backend, r.dtype), []).append(f"{r.op} ({r.unrepeated} of {r.repeated} rows)")
+    for label, found in (("not batch-inv.", varying), ("varies run to run", unrepeated)):
+        for (backend, dtype), names in sorted(found.items()):
+            lines.append(f"{backend:<8} {dtype:<9} {label:<15} {', '.join(names)}")
     return lines
 
 

@@ -270,6 +270,10 @@ OP_INVARIANCE_FIELDS = {
                           "optional"),
     "ulps": Field("number", "the largest difference in ULPs of the dtype, value by value"),
     "where": Field(str, 'the first difference: the node and how its rows were split ("" when none)'),
+    "repeated": Field(None, "rows of whole calls computed a second time, first (an integer; optional)"),
+    "unrepeated": Field(None, "of those, rows that differ from the first time: the op varies run to run, and the "
+                              "node's rows are not split (an integer; optional)"),
+    "run_where": Field(None, 'the first node whose call did not repeat ("" when none; optional)'),
 }
 PROBLEM_FIELDS = {
     "test": Field(str, "the pytest node id"),
