@@ -452,6 +452,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for line, written in config.conformance_reports:
         terminalreporter.write_line(line, red=not written)
     status = exit_status(config, exitstatus)
-    claims = broken_claims(recorder.invariance.values())
+    claims = broken_claims(recorder.invariance.values(), recorder.excused)
     claims = f"; broken invariance claims: {', '.join(claims)}" if claims and status == EXIT_NOT_CONFORMANT else ""
     terminalreporter.write_line(f"conformance exit status {status}: {EXIT_CODES.get(status, 'see pytest')}{claims}")

@@ -6,22 +6,29 @@ comparison and the op-level check find what they must."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from gemma4_conformance.adapters import AdapterError, load
+from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties.invariance import (
     Difference,
     InvarianceRecord,
     OpInvariance,
     OpInvarianceRecord,
+    Plays,
     Verdict,
+    check,
     compare,
+    fixed,
 )
 from gemma4_conformance.report import data, html
+from gemma4_conformance.properties.serving import Documents, play
 from gemma4_conformance.report.record import Recorder, invariance_lines
+from gemma4_conformance.spec.model import nodes
 from tests.invariance_mutants import ADAPTERS, MUTANTS, ROW_BY_ROW
 from tests.test_plugin import rerun_elsewhere, suite
 
@@ -81,6 +88,50 @@ def test_every_sequence_is_held_to_the_batch_claim(tmp_path):
     assert entry["outcome"] == "failed" and entry["worst"]["sequence"] == 1, entry
     assert "sequence 1, beside its partners against alone" in entry["message"]
     assert "sequence 0" not in entry["message"]
+    assert entry["first_node"].startswith("layers.0.attention, ") and "breaks first at layers.0.attention" in out
+    assert f"first at {entry['first_node']}" in (tmp_path / "report.html").read_text()
+
+
+def test_a_known_deviation_excuses_a_broken_claim_with_its_reason(tmp_path):
+    mutant = "tests.invariance_mutants:ADAPTERS.decode_kernel_in_a_mixed_step"
+    reason = "a mixed step runs the decode kernel; tracked in engine#7"
+    status, out, doc = suite(tmp_path, f"--backend={mutant}", "-k", "test_invariance and batch", deviations=(
+        f"backend: decode_kernel_in_a_mixed_step\ndeviations:\n  - op: invariance:batch\n    dtype: float32\n"
+        f"    reason: {reason}\n"))
+    assert status == EXIT_CONFORMANT, out[-3000:]
+    entry = next(e for e in doc["invariance"] if e["relation"] == "batch")
+    assert (entry["outcome"], entry["deviation"]) == ("known deviation", reason)
+    assert "invariance:batch known deviation (claimed)" in out and "broken invariance claims" not in out
+    page = (tmp_path / "report.html").read_text()
+    assert "batch invariance (claimed)" in page and reason in page and "invariance claim broken" not in page
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    path = generate.write_checkpoint(tmp_path_factory.mktemp("small"), generate.small_config())
+    return Documents(checkpoint.load(path), checkpoint=str(path))
+
+
+def test_a_difference_is_located_at_the_first_node_where_the_traces_part(documents):
+    """The mixed-step mutant's second sequence, traced beside its partner and alone: the bits part first at
+    the first layer's attention.  A session without traced_step cannot say where."""
+    mutant, schedule = ADAPTERS.decode_kernel_in_a_mixed_step, fixed(documents.window)
+    verdict = check("batch", mutant, schedule, documents, "float32", Plays(), locate=True)
+    [found] = verdict.differences
+    assert (found.sequence, found.node) == (1, "layers.0.attention") and 0 < found.node_rows <= found.rows
+    assert f"breaks first at layers.0.attention, {found.node_rows} rows (sequence 1)" in verdict.message(
+        "batch", "float32", nodes(documents.config))
+    tokens = [documents.of(k, s) for k, s in enumerate(schedule["sequences"])]
+    rows, _, _, traces = play(mutant, schedule, tokens, documents, "float32", trace=True)
+    assert all(np.array_equal(trace["logits"], r) for trace, r in zip(traces, rows))  # each sequence its own rows
+
+    class Untraced:  # an engine's own session, which gives no trace
+        def __init__(self, session):
+            self.step, self.release = session.step, session.release
+
+    untraced = SimpleNamespace(name=mutant.name, session=lambda *a, **k: Untraced(mutant.session(*a, **k)))
+    [found] = check("batch", untraced, schedule, documents, "float32", Plays(), locate=True).differences
+    assert (found.sequence, found.node) == (1, "")
 
 
 def test_each_mutant_breaks_only_under_a_claim():

@@ -33,7 +33,7 @@ from gemma4_conformance.adapters import INVARIANCE
 from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec import CONTRACT
 from gemma4_conformance.spec.formats import scale_ulp, ulp_distance
-from gemma4_conformance.spec.model import forward
+from gemma4_conformance.spec.model import forward, nodes
 
 from .serving import Documents, case_json, play
 from .table import OPS
@@ -72,9 +72,14 @@ class Difference:
     ulps: float
     against: str  # what was compared, e.g. "token by token against one call"
     schedule: dict | None = None
+    node: str = ""  # the first node of the graph where the two plays differ ("" when not located)
+    node_rows: int = 0  # the rows of the sequence that differ there
 
     def describe(self) -> str:
         return f"{self.scaled:.3g} ULPs at the row's scale ({self.ulps:.3g} value by value)"
+
+    def first(self) -> str:
+        return f"{self.node}, {self.node_rows} row{'s' if self.node_rows != 1 else ''}" if self.node else ""
 
 
 def at_row_scale(a: np.ndarray, b: np.ndarray, dtype: str) -> float:
@@ -107,10 +112,17 @@ class Verdict:
     rows: int
     differences: list[Difference]
 
-    def message(self, relation: str, dtype: str) -> str:
-        lines = [f"{relation} invariance ({DESCRIPTIONS[relation]}) does not hold in {dtype}:"]
+    def first(self, graph) -> Difference | None:
+        """The located difference whose node comes first in ``graph`` (the nodes in order), if any."""
+        order = {node: i for i, node in enumerate(graph)}
+        return min((d for d in self.differences if d.node), key=lambda d: order[d.node], default=None)
+
+    def message(self, relation: str, dtype: str, graph=()) -> str:
+        first = self.first(graph)
+        where = f"; it breaks first at {first.first()} (sequence {first.sequence})" if first else ""
+        lines = [f"{relation} invariance ({DESCRIPTIONS[relation]}) does not hold in {dtype}{where}:"]
         lines += [f"  sequence {d.sequence}, {d.against}: from position {d.position}, {d.rows} rows differ, by up "
-                  f"to {d.describe()}" for d in self.differences]
+                  f"to {d.describe()}" + (f"; first at {d.first()}" if d.node else "") for d in self.differences]
         return "\n".join(lines)
 
 
@@ -134,34 +146,62 @@ class Plays:
         return self.rows[key]
 
 
-def check(relation: str, adapter, schedule: dict, documents: Documents, dtype: str, plays: Plays) -> Verdict:
-    """Play what ``relation`` compares for ``schedule`` (through ``plays``) and compare it bitwise."""
+def check(relation: str, adapter, schedule: dict, documents: Documents, dtype: str, plays: Plays,
+          locate: bool = False) -> Verdict:
+    """Play what ``relation`` compares for ``schedule`` (through ``plays``) and compare it bitwise; with
+    ``locate``, find where each difference begins (``first_node``)."""
     sequences = schedule["sequences"]
     tokens = [documents.of(k, s) for k, s in enumerate(sequences)]
+    # Per pair: the sequence, its rows in two plays, what was compared, and each play as (schedule, tokens, index).
     if relation == "run":
-        again, _, _ = play(adapter, schedule, tokens, documents, dtype)
-        pairs = [(k, again[k], rows, "the second play against the first")
+        again = play(adapter, schedule, tokens, documents, dtype)[0]
+        pairs = [(k, again[k], rows, "the second play against the first", ((schedule, tokens, k),) * 2)
                  for k, rows in enumerate(plays(adapter, schedule, tokens, documents, dtype))]
     elif relation == "batch":  # every sequence, each alone in a play of its own
         together = plays(adapter, schedule, tokens, documents, dtype)
-        pairs = [(k, together[k], plays(adapter, _alone(s, s["chunks"]), tokens[k:k + 1], documents, dtype)[0],
-                  "beside its partners against alone") for k, s in enumerate(sequences)]
+        alone = [(_alone(s, s["chunks"]), tokens[k:k + 1], 0) for k, s in enumerate(sequences)]
+        pairs = [(k, together[k], plays(adapter, *alone[k][:2], documents, dtype)[0],
+                  "beside its partners against alone", ((schedule, tokens, k), alone[k])) for k in range(len(sequences))]
     else:  # chunk: the first sequence, alone, its prompt in one call, in its drawn chunks, token by token
         s = sequences[0]
         prompt = sum(s["chunks"])
-        whole = plays(adapter, _alone(s, [prompt]), tokens[:1], documents, dtype)[0]
+        whole = (_alone(s, [prompt]), tokens[:1], 0)
         ways = {"token by token": _alone(s, [1] * prompt)}
         if s["chunks"] != [prompt]:
             ways[f"in chunks {s['chunks']}"] = _alone(s, s["chunks"])
-        pairs = [(0, plays(adapter, alone, tokens[:1], documents, dtype)[0], whole, f"{way} against one call")
-                 for way, alone in ways.items()]
+        pairs = [(0, plays(adapter, alone, tokens[:1], documents, dtype)[0], plays(adapter, *whole[:2], documents, dtype)[0],
+                  f"{way} against one call", ((alone, tokens[:1], 0), whole)) for way, alone in ways.items()]
     differences = []
-    for k, rows, reference, against in pairs:
+    traced: dict[tuple, list | None] = {}  # the traced plays of this check, so that a play shared by pairs runs once
+    for k, rows, reference, against, sides in pairs:
         found = compare(rows, reference, dtype, k, against)
         if found is not None:
             found.schedule = schedule
+            if locate:
+                found.node, found.node_rows = first_node(adapter, documents, dtype, sides, traced)
             differences.append(found)
-    return Verdict(sum(len(rows) for _, rows, _, _ in pairs), differences)
+    return Verdict(sum(len(rows) for _, rows, _, _, _ in pairs), differences)
+
+
+def first_node(adapter, documents: Documents, dtype: str, sides, traced: dict) -> tuple[str, int]:
+    """Replay both sides of a difference with traces and compare them node by node, in the graph's order:
+    the first node where the sequence's rows differ and how many do, as a trace's first departing node is
+    found.  ("", 0) when the session gives no trace (``traced_step``) or the traced plays agree (run
+    variance need not recur).  ``traced``: the traced plays so far, by side, schedule and tokens."""
+    both = []
+    for side, (schedule, tokens, index) in enumerate(sides):
+        key = (side, case_json(schedule), b"".join(t.tobytes() for t in tokens))
+        if key not in traced:
+            traced[key] = play(adapter, schedule, tokens, documents, dtype, trace=True)[3]
+        if traced[key] is None:
+            return "", 0
+        both.append(traced[key][index])
+    a, b = both
+    for node in nodes(documents.config):
+        found = compare(a[node], b[node], dtype, 0, "") if node in a and node in b else None
+        if found is not None:
+            return node, found.rows
+    return "", 0
 
 
 # ----------------------------------------------------------------------------------------- record
@@ -181,6 +221,7 @@ class InvarianceRecord:
     worst: Difference | None = None  # the difference of the most ULPs at the row's scale
     message: str = ""
     rerun: str = ""
+    first_node: str = ""  # where the kept difference begins: "node, N rows" ("" when not located)
 
     def add(self, verdict: Verdict) -> None:
         self.schedules += 1
@@ -190,16 +231,19 @@ class InvarianceRecord:
             if self.worst is None or d.scaled > self.worst.scaled:
                 self.worst = d
 
-    def varied(self, message: str, rerun: str) -> None:
-        """A difference: a failure when claimed, a measurement otherwise (the first is kept, as the one to rerun)."""
+    def varied(self, message: str, rerun: str, first: Difference | None = None) -> None:
+        """A difference: a failure when claimed, a measurement otherwise (the first is kept, as the one to rerun,
+        with ``first``, its located difference first in the graph)."""
         if self.outcome not in ("failed", "varies", "errored"):
             self.outcome, self.message, self.rerun = ("failed" if self.claimed else "varies"), message, rerun
+            self.first_node = first.first() if first else ""
 
 
-def broken_claims(records) -> list[str]:
-    """Each claimed relation that does not hold, as "backend dtype relation": what the exit line names."""
+def broken_claims(records, excused: dict) -> list[str]:
+    """Each claimed relation that does not hold and no known deviation excuses (``excused``: (backend, dtype,
+    "invariance:relation") -> its reason), as "backend dtype relation": what the exit line names."""
     return [f"{r.backend} {r.dtype} {r.relation}" for r in sorted(records, key=lambda r: (r.backend, r.dtype, r.relation))
-            if r.outcome == "failed"]
+            if r.outcome == "failed" and (r.backend, r.dtype, f"invariance:{r.relation}") not in excused]
 
 
 # ----------------------------------------------------------------------------------------- op by op

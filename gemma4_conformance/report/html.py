@@ -183,7 +183,8 @@ def failures_section(page: Page) -> dict:
 
 
 _EXCUSED_SUBJECTS = (("results", lambda e: e["op"]), ("relations", lambda e: e["relation"]),
-                     ("forward", lambda e: "full forward"), ("serving", lambda e: "serving path"))
+                     ("forward", lambda e: "full forward"), ("serving", lambda e: "serving path"),
+                     ("invariance", lambda e: f"{e['relation']} invariance (claimed)"))
 
 
 def deviations_section(page: Page) -> dict:
@@ -196,7 +197,7 @@ def deviations_section(page: Page) -> dict:
                          "reason": e["deviation"],
                          "detail": (f"{shown(e['worst_ulps'])} ULPs against {shown(e['budget_ulps'])}"
                                     if key == "results" else e.get("message") or "; ".join(e.get("failures", [])))}
-                        for e in d[key] if e["outcome"] == "known deviation"]
+                        for e in d.get(key, []) if e["outcome"] == "known deviation"]
     stale = [{"label": page.doc_labels[i], **e} for i, d in enumerate(page.documents) for e in d["deviations"]
              if e["status"] != "excused"]
     return {"excused": excused, "stale": stale}
@@ -423,8 +424,8 @@ def serving_section(page: Page) -> dict:
     return {"servings": servings}
 
 
-INVARIANCE_CLASSES = {"held": "ok", "varies": "warn", "failed": "fail", "errored": "broken", "unsupported": "unsup",
-                      "not run": "notrun"}
+INVARIANCE_CLASSES = {"held": "ok", "varies": "warn", "failed": "fail", "known deviation": "known", "errored": "broken",
+                      "unsupported": "unsup", "not run": "notrun"}
 
 
 def _ulps(difference: dict) -> str:
@@ -446,7 +447,10 @@ def _invariance_cell(entry: dict | None) -> dict:
     if w is not None:
         title += f"; worst: sequence {w['sequence']} ({w['against']}) from position {w['position']}, " \
                  f"{w['rows']} rows, up to {_ulps(w)}"
-    text = entry["outcome"] + (f" · {shown(w.get('scaled', w['ulps']))} ULPs" if w is not None else "")
+    if entry.get("first_node"):
+        title += f"; breaks first at {entry['first_node']}"
+    text = entry["outcome"] + (f" · {shown(w.get('scaled', w['ulps']))} ULPs" if w is not None else "") + (
+        f" · first at {entry['first_node']}" if entry.get("first_node") else "")
     return {"cls": INVARIANCE_CLASSES[entry["outcome"]], "text": text, "title": title, "claimed": entry["claimed"]}
 
 

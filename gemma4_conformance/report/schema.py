@@ -12,7 +12,7 @@ SCHEMA = "gemma4-conformance-report"
 VERSION = 5
 OUTCOMES = ("passed", "failed", "known deviation", "errored", "not established", "unsupported", "not run")
 NODE_OUTCOMES = ("passed", "failed", "not traced", "inputs not traced")
-INVARIANCE_OUTCOMES = ("held", "varies", "failed", "errored", "unsupported", "not run")
+INVARIANCE_OUTCOMES = ("held", "varies", "failed", "known deviation", "errored", "unsupported", "not run")
 HISTOGRAM_CAP = 500  # the most values a result's histogram keeps
 # The libraries whose versions the environment names.
 LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "transformers", "ml_dtypes", "mpmath", "hypothesis")
@@ -243,8 +243,9 @@ INVARIANCE_FIELDS = {
     "relation": Field(str, '"run", "batch" or "chunk"'),
     "claimed": Field(bool, "true when the adapter promises it (its `invariance`): then a difference fails the run"),
     "outcome": Field(str, '"held", "varies" (not claimed, and it does not hold: measured, not a failure), '
-                          '"failed" (claimed, and it does not hold), "errored", "unsupported" (no session, and not '
-                          'every op to compose one)'),
+                          '"failed" (claimed, and it does not hold), "known deviation" (failed, and excused by a '
+                          'known-deviations entry "invariance:<relation>"), "errored", "unsupported" (no session, and '
+                          'not every op to compose one)'),
     "schedules": Field(int, "schedules compared (an integer; Hypothesis's shrinking included)"),
     "rows": Field(int, "the logit rows compared bitwise (an integer)"),
     "differing": Field(int, "of those, the rows that differ (an integer)"),
@@ -256,6 +257,11 @@ INVARIANCE_FIELDS = {
                                        "between the two), \"against\" (what was compared), \"schedule\"}"),
     "message": Field(str, 'the first difference found, every sequence of its schedule ("" when it held)'),
     "rerun": Field(str, 'the command that replays that schedule ("" when it held)'),
+    "first_node": Field(None, 'where that difference begins: the first node of the graph where the two plays\' traces '
+                              'differ and the sequence\'s rows that differ there, e.g. "layers.0.attention, 3 rows" ("" '
+                              'when it held or the session gives no trace; optional)'),
+    "deviation": Field(None, 'the reason of the known-deviations entry that excuses a broken claim ("" when none; '
+                             'optional)'),
 }
 OP_INVARIANCE_FIELDS = {
     "backend": Field(str, AS_IN_RESULTS),
