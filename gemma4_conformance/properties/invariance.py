@@ -161,7 +161,8 @@ def check(relation: str, adapter, schedule: dict, documents: Documents, dtype: s
         together = plays(adapter, schedule, tokens, documents, dtype)
         alone = [(_alone(s, s["chunks"]), tokens[k:k + 1], 0) for k, s in enumerate(sequences)]
         pairs = [(k, together[k], plays(adapter, *alone[k][:2], documents, dtype)[0],
-                  "beside its partners against alone", ((schedule, tokens, k), alone[k])) for k in range(len(sequences))]
+                  "beside its partners against alone", ((schedule, tokens, k), alone[k]))
+                 for k in range(len(sequences))]
     else:  # chunk: the first sequence, alone, its prompt in one call, in its drawn chunks, token by token
         s = sequences[0]
         prompt = sum(s["chunks"])
@@ -169,8 +170,9 @@ def check(relation: str, adapter, schedule: dict, documents: Documents, dtype: s
         ways = {"token by token": _alone(s, [1] * prompt)}
         if s["chunks"] != [prompt]:
             ways[f"in chunks {s['chunks']}"] = _alone(s, s["chunks"])
-        pairs = [(0, plays(adapter, alone, tokens[:1], documents, dtype)[0], plays(adapter, *whole[:2], documents, dtype)[0],
-                  f"{way} against one call", ((alone, tokens[:1], 0), whole)) for way, alone in ways.items()]
+        one_call = plays(adapter, *whole[:2], documents, dtype)[0]
+        pairs = [(0, plays(adapter, alone, tokens[:1], documents, dtype)[0], one_call, f"{way} against one call",
+                  ((alone, tokens[:1], 0), whole)) for way, alone in ways.items()]
     differences = []
     traced: dict[tuple, list | None] = {}  # the traced plays of this check, so that a play shared by pairs runs once
     for k, rows, reference, against, sides in pairs:
@@ -242,7 +244,8 @@ class InvarianceRecord:
 def broken_claims(records, excused: dict) -> list[str]:
     """Each claimed relation that does not hold and no known deviation excuses (``excused``: (backend, dtype,
     "invariance:relation") -> its reason), as "backend dtype relation": what the exit line names."""
-    return [f"{r.backend} {r.dtype} {r.relation}" for r in sorted(records, key=lambda r: (r.backend, r.dtype, r.relation))
+    ordered = sorted(records, key=lambda r: (r.backend, r.dtype, r.relation))
+    return [f"{r.backend} {r.dtype} {r.relation}" for r in ordered
             if r.outcome == "failed" and (r.backend, r.dtype, f"invariance:{r.relation}") not in excused]
 
 
