@@ -34,6 +34,7 @@ from gemma4_conformance.properties.deviations import (
     DeviationsError,
     subject,
 )
+from gemma4_conformance.properties.invariance import broken_claims
 from gemma4_conformance.properties.relations import RELATIONS
 from gemma4_conformance.properties.table import build
 from gemma4_conformance.report.record import Problem, Recorder, UnsupportedSkip
@@ -52,7 +53,8 @@ EXIT_NOT_CONFORMANT = 1  # pytest's TESTS_FAILED: every failure is an error beyo
 EXIT_BROKEN = 6  # an adapter raised or broke the contract, a test errored or a report was lost: incomplete
 EXIT_CODES = {
     EXIT_CONFORMANT: "conformant: every test passed or is a listed known deviation",
-    EXIT_NOT_CONFORMANT: "not conformant: a result is beyond its budget or breaks a theorem of the spec",
+    EXIT_NOT_CONFORMANT: "not conformant: a result is beyond its budget, breaks a theorem of the spec or breaks an "
+                         "invariance the engine claims",
     2: "interrupted (pytest)",
     3: "internal error (pytest)",
     4: "usage error: a bad option, backend, dtype or known-deviations file (pytest)",
@@ -484,4 +486,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for line, written in config.conformance_reports:
         terminalreporter.write_line(line, red=not written)
     status = exit_status(config, exitstatus)
-    terminalreporter.write_line(f"conformance exit status {status}: {EXIT_CODES.get(status, 'see pytest')}")
+    claims = broken_claims(recorder.invariance.values(), recorder.excused)
+    claims = f"; broken invariance claims: {', '.join(claims)}" if claims and status == EXIT_NOT_CONFORMANT else ""
+    terminalreporter.write_line(f"conformance exit status {status}: {EXIT_CODES.get(status, 'see pytest')}{claims}")

@@ -124,9 +124,42 @@ def _permuted_sum(W, x):
     return np.add.accumulate(products, axis=-1)[..., -1]
 
 
+def _rmsnorm_in_random_order(eps, x, w):
+    """The sum of squares in a fresh random order per call, as atomic adds finish."""
+    order = np.random.default_rng().permutation(x.shape[-1])
+    mean = np.add.accumulate(x[..., order] ** 2, axis=-1)[..., -1:] / x.shape[-1]
+    return x / np.sqrt(mean + eps) * w
+
+
 def _prefill_kernel(scale, visible, q, k, v):
     """One query (a decode step) the row kernel; several (a prefill chunk) numpy's batched kernel."""
     return (_query_by_query if len(q) == 1 else numpy_backend._gqa)(scale, visible, q, k, v)
+
+
+def _split_kv(scale, visible, q, k, v):
+    """Flash-decoding: each query's keys in two halves, each half's softmax partials (its maximum, sum
+    and weighted values) in float32, merged by rescaling to the larger maximum."""
+    out = np.zeros(q.shape, q.dtype)
+    for s in range(len(q)):
+        seen = int(np.flatnonzero(visible[s]).max()) + 1
+        merged = []
+        for keys in (slice(0, (seen + 1) // 2), slice((seen + 1) // 2, seen)):
+            logits = scale * np.einsum("cgd,lcd->cgl", q[s], k[keys])
+            shown = visible[s, None, None, keys]
+            m = np.max(logits, axis=-1, keepdims=True, where=shown, initial=-np.inf)
+            with np.errstate(invalid="ignore"):
+                e = np.where(shown, np.exp(logits - m), 0)
+            merged.append((m, e.sum(-1, keepdims=True), np.einsum("cgl,lcd->cgd", e, v[keys])))
+        top = np.maximum(merged[0][0], merged[1][0])
+        scales = [np.exp(m - top) for m, _, _ in merged]
+        total = sum(w * part for w, (_, part, _) in zip(scales, merged))
+        out[s] = sum(w * o for w, (_, _, o) in zip(scales, merged)) / total
+    return out
+
+
+def _decode_kernel(scale, visible, q, k, v):
+    """One query (a decode step) split-KV, several (a prefill chunk) the row kernel."""
+    return (_split_kv if len(q) == 1 else _query_by_query)(scale, visible, q, k, v)
 
 
 class LargeBatchBf16Keys(KVCache):
@@ -143,12 +176,31 @@ class Bf16KeysSession(Session):
     Cache = LargeBatchBf16Keys
 
 
+class MixedStepSession(Session):
+    """A step that mixes a decode (a piece of one token) with a prefill chunk runs every query through
+    the decode kernel (split-KV): a prompt that joins while another sequence decodes differs from
+    itself alone, the sequence decoding does not."""
+
+    def __init__(self, adapter, *args):
+        super().__init__(adapter, *args)
+        self.adapter = adapter
+
+    def step(self, batch):
+        sizes = {len(t) for t in batch.values()}
+        self.ops.adapter = MIXED_STEP_KERNELS if 1 in sizes and len(sizes) > 1 else self.adapter
+        return super().step(batch)
+
+
 MUTANTS = [
     Engine("split_k_chosen_by_batch_size", {"batch"}, linear=_split_k_by_m),
     Engine("prefill_attention_kernel_not_decode", {"chunk"}, **_attention(_prefill_kernel)),
     Engine("nondeterministic_sum_order", {"run"}, linear=_permuted_sum),
+    Engine("rmsnorm_in_random_order", {"run"}, rmsnorm=_rmsnorm_in_random_order),
     Engine("keys_in_bf16_when_batch_large", {"batch"}, session_class=Bf16KeysSession),
+    Engine("decode_kernel_in_a_mixed_step", {"batch"}, session_class=MixedStepSession,
+           **_attention(_decode_kernel)),
 ]
+MIXED_STEP_KERNELS = Engine("split_kv", (), **_attention(_split_kv))
 ROW_BY_ROW = Engine("row_by_row", {"run", "batch", "chunk"})
 
 

@@ -169,8 +169,8 @@ def test_a_result_entry_carries_the_measurements_budget_and_rerun(doc):
 def test_the_schema_names_every_field_a_document_carries(doc):
     """report/schema.py is where a field is described: a document has no field it lacks, nor lacks one it requires."""
     invariance = InvarianceRecord("torch", "float32", "batch", claimed=True, outcome="failed", schedules=2, rows=14,
-                                  differing=3, worst=Difference(0, 10, 3, 1.5e4, "against alone", SCHEDULE))
-    ops = OpInvarianceRecord("torch", "float32", "linear", 2, 36, 4, 9.0, "layers.0.q: rows 0..0 alone")
+                                  differing=3, worst=Difference(0, 10, 3, 4.0, 1.5e4, "against alone", SCHEDULE))
+    ops = OpInvarianceRecord("torch", "float32", "linear", 2, 36, 4, 2.0, 9.0, "layers.0.q: rows 0..0 alone")
     doc = {**doc, "invariance": [data.invariance_entry(invariance)], "op_invariance": [data.op_invariance_entry(ops)]}
     doc["partial"] = "read back from a stream"  # only there (report.Stream)
     assert set(doc) == set(schema.DOCUMENT_FIELDS)

@@ -374,6 +374,15 @@ class Session:
                 out[seq] = to_numpy(result.logits[0].cpu())
         return out
 
+    def traced_step(self, batch: dict) -> tuple[dict, dict]:
+        """``step``, and per sequence the trace of its call (the Tracer's hooks on the model)."""
+        out, traces = {}, {}
+        for seq, tokens in batch.items():
+            with Tracer(self.model) as tracer:
+                out |= self.step({seq: tokens})
+            traces[seq] = tracer.trace()
+        return out, traces
+
     def release(self, seq) -> None:
         self.caches.pop(seq, None)
 

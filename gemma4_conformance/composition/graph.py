@@ -25,7 +25,13 @@ class AdapterOps:
         self.name = adapter.name
 
     def op(self, node, name, *args):
-        out = call(self.adapter, name, args, self.dtype)
+        return self.observed(node, name, args, self.call(name, *args))
+
+    def call(self, name, *args):
+        """The adapter's op under the contract's checks, unobserved (a node computed in parts calls it per part)."""
+        return call(self.adapter, name, args, self.dtype)
+
+    def observed(self, node, name, args, out):
         if self.observe is not None:
             self.observe(node, name, args, out)
         return out

@@ -3,6 +3,7 @@
     session = open_session(numpy_backend, weights, config, "bfloat16")  # any adapter with the graph's ops
     logits = session.step({0: prompt_chunk, 1: np.array([token])})       # {0: [n, V], 1: [1, V]} in bfloat16
     session.release(1)                                                    # id 1 may start again, empty
+    logits, traces = session.traced_step({0: chunk})                      # and traces[0]: node -> its rows
 
 This is the serving contract (docs/adapter.md), implemented once for every adapter without a session
 of its own, as the forward composes the ops of one without a forward:
@@ -34,7 +35,7 @@ from gemma4_conformance.checkpoints.config import TextConfig
 from gemma4_conformance.spec import format_of
 from gemma4_conformance.spec.model import forward
 
-from .graph import AdapterOps
+from .graph import AdapterOps, TraceRecorder
 
 RESIDENT_BYTES = 1 << 30  # weights up to this size are read into memory once; a larger checkpoint streams
 
@@ -82,8 +83,8 @@ class SessionOps(AdapterOps):
             for rows, k, v in zip(keys.rows, keys.arrays, values.arrays):
                 S, L = rows.stop - rows.start, bucket(len(k))
                 pos = _pad(positions[rows], bucket(S), positions[rows.stop - 1])
-                out[rows] = super().op(node, name, *head, pos, _pad(q[rows], bucket(S)), _pad(k, L), _pad(v, L))[:S]
-            return out
+                out[rows] = self.call(name, *head, pos, _pad(q[rows], bucket(S)), _pad(k, L), _pad(v, L))[:S]
+            return self.observed(node, name, args, out)
         return super().op(node, name, *args)
 
 
@@ -236,6 +237,16 @@ class Session:
                          _pad(positions, rows), cache=self.cache)["logits"]
         self.cache.advance()
         return {s.seq: logits[s.rows] for s in segments}
+
+    def traced_step(self, batch: Mapping) -> tuple[dict, dict]:
+        """``step``, and per sequence the trace of its rows in this step: node -> that node's output rows."""
+        recorder = TraceRecorder()
+        self.ops.observe = recorder
+        try:
+            logits = self.step(batch)
+        finally:
+            self.ops.observe = None
+        return logits, {s.seq: {node: out[s.rows] for node, out in recorder.trace.items()} for s in self.cache.segments}
 
     def release(self, seq: int) -> None:
         if seq not in self.slots:

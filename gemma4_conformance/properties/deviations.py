@@ -3,7 +3,8 @@
     # conformance/deviations.yaml, passed as --known-deviations=conformance/deviations.yaml
     backend: myengine            # the --backend spec or the adapter's name
     deviations:
-      - op: rope                 # an op, a relation (properties/relations.py), "forward", "trace" or "serving"
+      - op: rope                 # an op, a relation (properties/relations.py), "forward", "trace", "serving"
+                                 # or an invariance claim: "invariance:run", "invariance:batch", "invariance:chunk"
         dtype: float16
         reason: fp16 RoPE angles; tracked in myengine#123
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gemma4_conformance.adapters import DTYPES
+from gemma4_conformance.adapters import DTYPES, INVARIANCE
 from gemma4_conformance.spec import OP_NAMES
 
 from .relations import RELATIONS
@@ -34,6 +35,7 @@ FORWARD = "forward"
 SHIPPED = Path(__file__).resolve().parent.parent / "deviations"  # NAME.yaml: measured and explained in docs/engines.md
 TRACE = "trace"  # the per-node verdicts of a forward's trace (properties/trace.py)
 SERVING = "serving"  # the serving test's verdict (properties/test_serving.py)
+CLAIMS = tuple(f"invariance:{r}" for r in INVARIANCE)  # an invariance claim (properties/test_invariance.py)
 
 
 class DeviationsError(ValueError):
@@ -63,7 +65,7 @@ class Deviation:
 
 
 def subject(item) -> tuple[str, str, str, str] | None:
-    """(backend spec, adapter name, dtype, op/relation/"forward"/"trace"/"serving") of a suite test, None for others;
+    """(backend spec, adapter name, dtype, op/relation/"forward"/"trace"/"serving"/CLAIMS) of a suite test, None for others;
     for a recorded run judged from its file, (engine, its label in the report, dtype, "trace"/"forward")."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     for name, what in (("trace_file", TRACE), ("forward_file", FORWARD)):
@@ -82,6 +84,8 @@ def subject(item) -> tuple[str, str, str, str] | None:
         what, dtype = TRACE, params["trace_dtype"]
     elif "serving_dtype" in params:
         what, dtype = SERVING, params["serving_dtype"]
+    elif "invariance" in params:
+        what, dtype = f"invariance:{params['invariance']}", params["invariance_dtype"]
     else:
         return None
     return params["backend"], params["adapter"].name, dtype, what
@@ -162,7 +166,7 @@ def _read(path: Path) -> list[Deviation]:
     items = data.get("deviations") or []
     if not isinstance(items, list):
         raise DeviationsError(f"{path}: 'deviations' must be a list of entries with op, dtype and reason")
-    known = {*OP_NAMES, *RELATIONS, FORWARD, TRACE, SERVING}
+    known = {*OP_NAMES, *RELATIONS, FORWARD, TRACE, SERVING, *CLAIMS}
     entries = []
     for i, item in enumerate(items):
         where = f"{path}: deviations[{i}]"
@@ -175,7 +179,8 @@ def _read(path: Path) -> list[Deviation]:
         if extra:
             raise DeviationsError(f"{where} has unknown field(s) {', '.join(extra)}")
         if item["op"] not in known:
-            raise DeviationsError(f"{where}: op {item['op']!r} is neither an op, a relation, 'forward', 'trace' nor 'serving'")
+            raise DeviationsError(f"{where}: op {item['op']!r} is neither an op, a relation, 'forward', 'trace', "
+                                  f"'serving' nor an invariance claim ({', '.join(CLAIMS)})")
         if item["dtype"] not in DTYPES:
             raise DeviationsError(f"{where}: dtype {item['dtype']!r} is not one of {', '.join(DTYPES)}")
         entries.append(Deviation(data["backend"], item["op"], item["dtype"], item["reason"].strip(), str(path)))

@@ -5,9 +5,9 @@ when nothing a user controls changes.  Three relations on a session (the serving
 serving.py), each compared bitwise, never against the reference:
 
 * run: a schedule played twice, each time in a fresh session, gives the same logits;
-* batch: a sequence's logits alone (the same chunks and decode steps, in a session of its own) equal
-  its logits beside the schedule's partners, which join and leave while it runs (the first sequence
-  of the schedule: every other one would cost a play of its own);
+* batch: each sequence's logits alone (the same chunks and decode steps, in a session of its own)
+  equal its logits beside the schedule's partners, which join and leave while it runs: every
+  sequence, since a kernel may change for the one that joins and not for the one it joins;
 * chunk: a prompt prefilled in one call, in the drawn chunks and token by token gives the same logits
   at every position (its decode steps included), each way alone in its session.
 
@@ -16,7 +16,8 @@ of its document.  An adapter declares what it promises (``invariance``, adapters
 promise that breaks fails the run; an unpromised relation is measured and reported only.
 
 Op by op, ``OpInvariance`` finds which kernel breaks batch invariance: each op of a forward's graph,
-at its first nodes, computed on all its rows and on each row alone (``linear``, ``gate_up`` and
+at its first nodes, computed on all its rows twice (a call that does not repeat is run variance,
+reported as such) and on each row alone (``linear``, ``gate_up`` and
 ``lm_head`` also in blocks of several M rows: split-K and tile choices follow the batch size);
 attention on a query with the queries after it and the keys they see beside it, against the query
 alone with its own keys.
@@ -31,15 +32,15 @@ import numpy as np
 from gemma4_conformance.adapters import INVARIANCE
 from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec import CONTRACT
-from gemma4_conformance.spec.formats import ulp_distance
-from gemma4_conformance.spec.model import forward
+from gemma4_conformance.spec.formats import scale_ulp, ulp_distance
+from gemma4_conformance.spec.model import forward, nodes
 
 from .serving import Documents, case_json, play
 from .table import OPS
 
 RELATIONS = INVARIANCE
 DESCRIPTIONS = {"run": "the same schedule played twice, in fresh sessions",
-                "batch": "a sequence alone against beside its partners",
+                "batch": "each sequence alone against beside its partners",
                 "chunk": "a prompt prefilled in one call, in chunks and token by token"}
 
 
@@ -59,15 +60,36 @@ def claims(adapter) -> frozenset[str]:
 
 @dataclass
 class Difference:
-    """Where two plays of one sequence differ: the first differing position, how many rows differ, the
-    largest difference in ULPs of the dtype (0 when rows wider than the dtype differ below its ULP)."""
+    """Where two plays of one sequence differ: the first differing position, how many rows differ, and the
+    largest difference in two units: ``scaled``, in ULPs of the dtype at the row's scale (its largest
+    magnitude), the scale the accuracy verdicts use; ``ulps``, value by value (how many values of the
+    format lie between the two: near zero, where the format is dense, a small difference is many)."""
 
     sequence: int
     position: int
     rows: int
+    scaled: float
     ulps: float
     against: str  # what was compared, e.g. "token by token against one call"
     schedule: dict | None = None
+    node: str = ""  # the first node of the graph where the two plays differ ("" when not located)
+    node_rows: int = 0  # the rows of the sequence that differ there
+
+    def describe(self) -> str:
+        return f"{self.scaled:.3g} ULPs at the row's scale ({self.ulps:.3g} value by value)"
+
+    def first(self) -> str:
+        return f"{self.node}, {self.node_rows} row{'s' if self.node_rows != 1 else ''}" if self.node else ""
+
+
+def at_row_scale(a: np.ndarray, b: np.ndarray, dtype: str) -> float:
+    """The largest difference of a row of ``a`` from ``b``'s, in ULPs of ``dtype`` at the row's scale: its
+    largest magnitude in ``b`` (inf where a value is not finite in one and is in the other)."""
+    a, b = (np.asarray(x, np.float64).reshape(len(x), -1) for x in (a, b))
+    with np.errstate(invalid="ignore"):
+        gap = np.where(np.isfinite(a) & np.isfinite(b), np.abs(a - b), np.where(np.isnan(a) & np.isnan(b), 0, np.inf))
+    scale = np.max(np.abs(np.where(np.isfinite(b), b, 0)), axis=1)
+    return float(np.max(np.max(gap, axis=1) / scale_ulp(scale, dtype)))
 
 
 def compare(a: np.ndarray, b: np.ndarray, dtype: str, sequence: int, against: str) -> Difference | None:
@@ -79,7 +101,8 @@ def compare(a: np.ndarray, b: np.ndarray, dtype: str, sequence: int, against: st
     if not differ.any():
         return None
     ulps = float(ulp_distance(a[differ], b[differ], dtype).max())
-    return Difference(sequence, int(np.argmax(differ)), int(differ.sum()), ulps, against)
+    return Difference(sequence, int(np.argmax(differ)), int(differ.sum()), at_row_scale(a[differ], b[differ], dtype),
+                      ulps, against)
 
 
 @dataclass
@@ -89,10 +112,17 @@ class Verdict:
     rows: int
     differences: list[Difference]
 
-    def message(self, relation: str, dtype: str) -> str:
-        lines = [f"{relation} invariance ({DESCRIPTIONS[relation]}) does not hold in {dtype}:"]
+    def first(self, graph) -> Difference | None:
+        """The located difference whose node comes first in ``graph`` (the nodes in order), if any."""
+        order = {node: i for i, node in enumerate(graph)}
+        return min((d for d in self.differences if d.node), key=lambda d: order[d.node], default=None)
+
+    def message(self, relation: str, dtype: str, graph=()) -> str:
+        first = self.first(graph)
+        where = f"; it breaks first at {first.first()} (sequence {first.sequence})" if first else ""
+        lines = [f"{relation} invariance ({DESCRIPTIONS[relation]}) does not hold in {dtype}{where}:"]
         lines += [f"  sequence {d.sequence}, {d.against}: from position {d.position}, {d.rows} rows differ, by up "
-                  f"to {d.ulps:.3g} ULPs" for d in self.differences]
+                  f"to {d.describe()}" + (f"; first at {d.first()}" if d.node else "") for d in self.differences]
         return "\n".join(lines)
 
 
@@ -103,7 +133,7 @@ def _alone(sequence: dict, chunks: list[int]) -> dict:
 class Plays:
     """Plays shared by the relations, per adapter, dtype, schedule and tokens: the run relation's first play
     of a schedule is the batch relation's play beside the partners, and the batch relation's first
-    sequence alone is the chunk relation's play in the drawn chunks (a fifth of the cost less).  The run
+    sequence alone is the chunk relation's play in the drawn chunks.  The run
     relation's second play is always a fresh one."""
 
     def __init__(self):
@@ -116,34 +146,64 @@ class Plays:
         return self.rows[key]
 
 
-def check(relation: str, adapter, schedule: dict, documents: Documents, dtype: str, plays: Plays) -> Verdict:
-    """Play what ``relation`` compares for ``schedule`` (through ``plays``) and compare it bitwise."""
+def check(relation: str, adapter, schedule: dict, documents: Documents, dtype: str, plays: Plays,
+          locate: bool = False) -> Verdict:
+    """Play what ``relation`` compares for ``schedule`` (through ``plays``) and compare it bitwise; with
+    ``locate``, find where each difference begins (``first_node``)."""
     sequences = schedule["sequences"]
     tokens = [documents.of(k, s) for k, s in enumerate(sequences)]
-    first = _alone(sequences[0], sequences[0]["chunks"])
+    # Per pair: the sequence, its rows in two plays, what was compared, and each play as (schedule, tokens, index).
     if relation == "run":
-        again, _, _ = play(adapter, schedule, tokens, documents, dtype)
-        pairs = [(k, again[k], rows, "the second play against the first")
+        again = play(adapter, schedule, tokens, documents, dtype)[0]
+        pairs = [(k, again[k], rows, "the second play against the first", ((schedule, tokens, k),) * 2)
                  for k, rows in enumerate(plays(adapter, schedule, tokens, documents, dtype))]
-    elif relation == "batch":  # the first sequence, which the others join and leave: two plays, not one a sequence
-        pairs = [(0, plays(adapter, schedule, tokens, documents, dtype)[0],
-                  plays(adapter, first, tokens[:1], documents, dtype)[0], "beside its partners against alone")]
+    elif relation == "batch":  # every sequence, each alone in a play of its own
+        together = plays(adapter, schedule, tokens, documents, dtype)
+        alone = [(_alone(s, s["chunks"]), tokens[k:k + 1], 0) for k, s in enumerate(sequences)]
+        pairs = [(k, together[k], plays(adapter, *alone[k][:2], documents, dtype)[0],
+                  "beside its partners against alone", ((schedule, tokens, k), alone[k]))
+                 for k in range(len(sequences))]
     else:  # chunk: the first sequence, alone, its prompt in one call, in its drawn chunks, token by token
         s = sequences[0]
         prompt = sum(s["chunks"])
-        whole = plays(adapter, _alone(s, [prompt]), tokens[:1], documents, dtype)[0]
+        whole = (_alone(s, [prompt]), tokens[:1], 0)
         ways = {"token by token": _alone(s, [1] * prompt)}
         if s["chunks"] != [prompt]:
-            ways[f"in chunks {s['chunks']}"] = first
-        pairs = [(0, plays(adapter, alone, tokens[:1], documents, dtype)[0], whole, f"{way} against one call")
-                 for way, alone in ways.items()]
+            ways[f"in chunks {s['chunks']}"] = _alone(s, s["chunks"])
+        one_call = plays(adapter, *whole[:2], documents, dtype)[0]
+        pairs = [(0, plays(adapter, alone, tokens[:1], documents, dtype)[0], one_call, f"{way} against one call",
+                  ((alone, tokens[:1], 0), whole)) for way, alone in ways.items()]
     differences = []
-    for k, rows, reference, against in pairs:
+    traced: dict[tuple, list | None] = {}  # the traced plays of this check, so that a play shared by pairs runs once
+    for k, rows, reference, against, sides in pairs:
         found = compare(rows, reference, dtype, k, against)
         if found is not None:
             found.schedule = schedule
+            if locate:
+                found.node, found.node_rows = first_node(adapter, documents, dtype, sides, traced)
             differences.append(found)
-    return Verdict(sum(len(rows) for _, rows, _, _ in pairs), differences)
+    return Verdict(sum(len(rows) for _, rows, _, _, _ in pairs), differences)
+
+
+def first_node(adapter, documents: Documents, dtype: str, sides, traced: dict) -> tuple[str, int]:
+    """Replay both sides of a difference with traces and compare them node by node, in the graph's order:
+    the first node where the sequence's rows differ and how many do, as a trace's first departing node is
+    found.  ("", 0) when the session gives no trace (``traced_step``) or the traced plays agree (run
+    variance need not recur).  ``traced``: the traced plays so far, by side, schedule and tokens."""
+    both = []
+    for side, (schedule, tokens, index) in enumerate(sides):
+        key = (side, case_json(schedule), b"".join(t.tobytes() for t in tokens))
+        if key not in traced:
+            traced[key] = play(adapter, schedule, tokens, documents, dtype, trace=True)[3]
+        if traced[key] is None:
+            return "", 0
+        both.append(traced[key][index])
+    a, b = both
+    for node in nodes(documents.config):
+        found = compare(a[node], b[node], dtype, 0, "") if node in a and node in b else None
+        if found is not None:
+            return node, found.rows
+    return "", 0
 
 
 # ----------------------------------------------------------------------------------------- record
@@ -160,22 +220,33 @@ class InvarianceRecord:
     schedules: int = 0
     rows: int = 0  # rows compared
     differing: int = 0  # of those, rows that differ
-    worst: Difference | None = None  # the difference of the most ULPs
+    worst: Difference | None = None  # the difference of the most ULPs at the row's scale
     message: str = ""
     rerun: str = ""
+    first_node: str = ""  # where the kept difference begins: "node, N rows" ("" when not located)
 
     def add(self, verdict: Verdict) -> None:
         self.schedules += 1
         self.rows += verdict.rows
         self.differing += sum(d.rows for d in verdict.differences)
         for d in verdict.differences:
-            if self.worst is None or d.ulps > self.worst.ulps:
+            if self.worst is None or d.scaled > self.worst.scaled:
                 self.worst = d
 
-    def varied(self, message: str, rerun: str) -> None:
-        """A difference: a failure when claimed, a measurement otherwise (the first is kept, as the one to rerun)."""
+    def varied(self, message: str, rerun: str, first: Difference | None = None) -> None:
+        """A difference: a failure when claimed, a measurement otherwise (the first is kept, as the one to rerun,
+        with ``first``, its located difference first in the graph)."""
         if self.outcome not in ("failed", "varies", "errored"):
             self.outcome, self.message, self.rerun = ("failed" if self.claimed else "varies"), message, rerun
+            self.first_node = first.first() if first else ""
+
+
+def broken_claims(records, excused: dict) -> list[str]:
+    """Each claimed relation that does not hold and no known deviation excuses (``excused``: (backend, dtype,
+    "invariance:relation") -> its reason), as "backend dtype relation": what the exit line names."""
+    ordered = sorted(records, key=lambda r: (r.backend, r.dtype, r.relation))
+    return [f"{r.backend} {r.dtype} {r.relation}" for r in ordered
+            if r.outcome == "failed" and (r.backend, r.dtype, f"invariance:{r.relation}") not in excused]
 
 
 # ----------------------------------------------------------------------------------------- op by op
@@ -186,7 +257,9 @@ NODES_PER_OP = 2
 
 @dataclass
 class OpInvarianceRecord:
-    """Per backend, dtype and op: rows computed alone (or in blocks) against in the whole call."""
+    """Per backend, dtype and op: the whole call repeated, then (where it repeats) rows computed alone (or
+    in blocks) against in the whole call.  A node whose call does not repeat is run variance, not batch
+    dependence: its rows are not split."""
 
     backend: str
     dtype: str
@@ -194,12 +267,20 @@ class OpInvarianceRecord:
     nodes: int = 0
     rows: int = 0
     differing: int = 0
-    ulps: float = 0.0
+    scaled: float = 0.0  # the largest difference, in ULPs at the row's scale (Difference)
+    ulps: float = 0.0  # the same, value by value
     where: str = ""  # the first difference: node and how the rows were split
+    repeated: int = 0  # rows of whole calls computed a second time
+    unrepeated: int = 0  # of those, rows that differ from the first time
+    run_where: str = ""  # the first node whose call did not repeat
 
     @property
     def held(self) -> bool:
         return self.differing == 0
+
+    @property
+    def repeats(self) -> bool:
+        return self.unrepeated == 0
 
 
 def _row_args(op: str) -> list[bool]:
@@ -220,6 +301,12 @@ class OpInvariance(AdapterOps):
         rowwise = _row_args(name)
         if record.nodes < NODES_PER_OP and any(rowwise) and len(out) > 1:
             record.nodes += 1
+            again = compare(super().op(node, name, *args), out, self.dtype, 0, "")
+            record.repeated += len(out)
+            if again is not None:  # run variance: a row alone would differ whatever the batch
+                record.run_where = record.run_where or f"{node}: the call of {len(out)} rows repeated"
+                record.unrepeated += again.rows
+                return out
             for M in (1, *OPS[name].blocks):
                 for start in range(0, len(out), M):
                     rows = slice(start, min(start + M, len(out)))
@@ -239,7 +326,7 @@ class OpInvariance(AdapterOps):
                 record.where = f"{node}: rows {rows.start}..{rows.stop - 1} " + (
                     "alone" if M == 1 else f"in a block of {M}") + f" against in a call of {len(out)}"
             record.differing += found.rows
-            record.ulps = max(record.ulps, found.ulps)
+            record.scaled, record.ulps = max(record.scaled, found.scaled), max(record.ulps, found.ulps)
 
 
 def op_invariance(adapter, documents: Documents, dtype: str, tokens: int) -> list[OpInvarianceRecord]:

@@ -218,33 +218,39 @@ class Run:
     steps: int
 
 
-def play(adapter, schedule: dict, tokens: list[np.ndarray], documents: Documents, dtype: str):
+def play(adapter, schedule: dict, tokens: list[np.ndarray], documents: Documents, dtype: str, trace: bool = False):
     """Play ``schedule`` on a fresh session, sequence k appending ``tokens[k]``: per sequence its rows
-    in order, whether each came from a decode step, and the steps taken."""
+    in order, whether each came from a decode step, the steps taken, and (with ``trace``, where the
+    session has ``traced_step``; else None) per sequence its trace: node -> its rows of every step, in order."""
     vocab = documents.config.vocab_size
     pieces: list[list] = [[] for _ in schedule["sequences"]]
     decoded: list[list] = [[] for _ in schedule["sequences"]]
     plan = steps(schedule)
     session = open_session(adapter, documents.weights, documents.config.raw, dtype, documents.checkpoint)
+    traced = trace and hasattr(session, "traced_step")
+    traces: list[dict] = [{} for _ in schedule["sequences"]]
     for t, (batch, released) in enumerate(plan):
         given = {seq: tokens[p.sequence][p.start:p.start + p.n] for seq, p in batch.items()}
         where = f"{adapter.name} session.step #{t} of the schedule"
-        out = _call(where, session.step, given)
+        out, nodes = _call(where, session.traced_step, given) if traced else (_call(where, session.step, given), {})
         check_step(out, given, vocab, dtype, where)
         for seq, p in batch.items():
             pieces[p.sequence].append(out[seq])
             decoded[p.sequence].append(np.full(p.n, p.decode))
+            for node, rows in nodes.get(seq, {}).items():
+                traces[p.sequence].setdefault(node, []).append(rows)
         for seq in released:
             _call(f"session.release({seq}) after step #{t}", session.release, seq)
     _close(session)
-    return [np.concatenate(p) for p in pieces], [np.concatenate(d) for d in decoded], len(plan)
+    joined = [{node: np.concatenate(parts) for node, parts in t.items()} for t in traces] if traced else None
+    return [np.concatenate(p) for p in pieces], [np.concatenate(d) for d in decoded], len(plan), joined
 
 
 def run(adapter, schedule: dict, documents: Documents, dtype: str) -> Run:
     """Play ``schedule`` on a fresh session, then prefill every sequence in one call on another."""
     vocab = documents.config.vocab_size
     tokens = [documents.of(k, s) for k, s in enumerate(schedule["sequences"])]
-    stepped, decoded, taken = play(adapter, schedule, tokens, documents, dtype)
+    stepped, decoded, taken, _ = play(adapter, schedule, tokens, documents, dtype)
     session = open_session(adapter, documents.weights, documents.config.raw, dtype, documents.checkpoint)
     given = dict(enumerate(tokens))
     where = f"{adapter.name} session.step (one-call prefill of every sequence)"

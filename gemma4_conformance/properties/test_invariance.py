@@ -17,6 +17,7 @@ from gemma4_conformance.adapters import DTYPES
 from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.composition.graph import missing_ops
 from gemma4_conformance.report.record import UnsupportedSkip
+from gemma4_conformance.spec.model import nodes
 
 from .invariance import RELATIONS, InvarianceRecord, Plays, check, claims, fixed, op_invariance
 from .judging import rerun_command
@@ -50,7 +51,8 @@ def test_invariance(request, backend, adapter, invariance_dtype, invariance, doc
     def one(schedule):
         command = rerun_command(request.node, backend, schedule)
         try:
-            verdict = check(invariance, adapter, schedule, documents, dtype, plays)
+            # Only the difference the record keeps is located: each costs two traced plays.
+            verdict = check(invariance, adapter, schedule, documents, dtype, plays, locate=not record.message)
         except ContractViolation as e:
             record.outcome, record.message, record.rerun = "errored", str(e), command
             raise ContractViolation(f"{e}\n  schedule: {case_json(schedule)}\n  rerun: {command}") from None
@@ -58,8 +60,9 @@ def test_invariance(request, backend, adapter, invariance_dtype, invariance, doc
         if currently_in_test_context():  # a drawn schedule: search towards more differing rows
             target(float(sum(d.rows for d in verdict.differences)), label="differing rows")
         if verdict.differences:
-            message = verdict.message(invariance, dtype)
-            record.varied(message, command)
+            graph = nodes(documents.config)
+            message = verdict.message(invariance, dtype, graph)
+            record.varied(message, command, verdict.first(graph))
             if record.claimed:
                 pytest.fail(f"{message}\n  {adapter.name} claims it (invariance = {sorted(claims(adapter))})"
                             f"\n  schedule: {case_json(schedule)}\n  rerun: {command}", pytrace=False)

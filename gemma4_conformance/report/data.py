@@ -237,20 +237,26 @@ def serving_entry(record, deviation: str = "") -> dict:
     }
 
 
-def invariance_entry(record) -> dict:
-    """One ``invariance`` entry from a ``properties.invariance.InvarianceRecord``."""
+def invariance_entry(record, excused: dict | None = None) -> dict:
+    """One ``invariance`` entry from a ``properties.invariance.InvarianceRecord``; ``excused`` as for
+    ``result_entry``, keyed by (backend, dtype, "invariance:relation")."""
+    deviation = (excused or {}).get((record.backend, record.dtype, f"invariance:{record.relation}"), "")
     w = record.worst
     worst = None if w is None else {"sequence": w.sequence, "position": w.position, "rows": w.rows,
-                                    "ulps": encode(w.ulps), "against": w.against, "schedule": _jsonable(w.schedule)}
+                                    "scaled": encode(w.scaled), "ulps": encode(w.ulps), "against": w.against,
+                                    "schedule": _jsonable(w.schedule)}
     return {"backend": record.backend, "dtype": record.dtype, "relation": record.relation, "claimed": record.claimed,
-            "outcome": record.outcome, "schedules": record.schedules, "rows": record.rows,
-            "differing": record.differing, "worst": worst, "message": record.message, "rerun": record.rerun}
+            "outcome": reported(record.outcome, deviation), "schedules": record.schedules, "rows": record.rows,
+            "differing": record.differing, "worst": worst, "message": record.message, "rerun": record.rerun,
+            "first_node": record.first_node, "deviation": deviation}
 
 
 def op_invariance_entry(record) -> dict:
     """One ``op_invariance`` entry from a ``properties.invariance.OpInvarianceRecord``."""
     return {"backend": record.backend, "dtype": record.dtype, "op": record.op, "nodes": record.nodes,
-            "rows": record.rows, "differing": record.differing, "ulps": encode(record.ulps), "where": record.where}
+            "rows": record.rows, "differing": record.differing, "scaled": encode(record.scaled),
+            "ulps": encode(record.ulps), "where": record.where, "repeated": record.repeated,
+            "unrepeated": record.unrepeated, "run_where": record.run_where}
 
 
 def document(recorder, env: dict | None = None, deviations=()) -> dict:
@@ -276,7 +282,7 @@ def document(recorder, env: dict | None = None, deviations=()) -> dict:
         "serving": [serving_entry(r, excused.get((backend, dtype, "serving"), ""))
                     for (backend, dtype), r in sorted(recorder.serving.items(),
                                                       key=lambda item: (item[0][0], dtype_rank(item[0][1])))],
-        "invariance": [invariance_entry(r) for r in sorted(recorder.invariance.values(), key=lambda r: (
+        "invariance": [invariance_entry(r, excused) for r in sorted(recorder.invariance.values(), key=lambda r: (
             r.backend, dtype_rank(r.dtype), r.relation))],
         "op_invariance": [op_invariance_entry(r) for r in sorted(recorder.op_invariance.values(), key=lambda r: (
             r.backend, dtype_rank(r.dtype), ops.index(r.op)))],

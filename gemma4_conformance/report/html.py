@@ -183,7 +183,8 @@ def failures_section(page: Page) -> dict:
 
 
 _EXCUSED_SUBJECTS = (("results", lambda e: e["op"]), ("relations", lambda e: e["relation"]),
-                     ("forward", lambda e: "full forward"), ("serving", lambda e: "serving path"))
+                     ("forward", lambda e: "full forward"), ("serving", lambda e: "serving path"),
+                     ("invariance", lambda e: f"{e['relation']} invariance (claimed)"))
 
 
 def deviations_section(page: Page) -> dict:
@@ -196,7 +197,7 @@ def deviations_section(page: Page) -> dict:
                          "reason": e["deviation"],
                          "detail": (f"{shown(e['worst_ulps'])} ULPs against {shown(e['budget_ulps'])}"
                                     if key == "results" else e.get("message") or "; ".join(e.get("failures", [])))}
-                        for e in d[key] if e["outcome"] == "known deviation"]
+                        for e in d.get(key, []) if e["outcome"] == "known deviation"]
     stale = [{"label": page.doc_labels[i], **e} for i, d in enumerate(page.documents) for e in d["deviations"]
              if e["status"] != "excused"]
     return {"excused": excused, "stale": stale}
@@ -426,8 +427,15 @@ def serving_section(page: Page) -> dict:
     return {"servings": servings}
 
 
-INVARIANCE_CLASSES = {"held": "ok", "varies": "warn", "failed": "fail", "errored": "broken", "unsupported": "unsup",
-                      "not run": "notrun"}
+INVARIANCE_CLASSES = {"held": "ok", "varies": "warn", "failed": "fail", "known deviation": "known", "errored": "broken",
+                      "unsupported": "unsup", "not run": "notrun"}
+
+
+def _ulps(difference: dict) -> str:
+    """A difference at the row's scale and value by value, labelled (an older document has the second only)."""
+    if difference.get("scaled") is None:
+        return f"{shown(difference['ulps'])} ULPs"
+    return f"{shown(difference['scaled'])} ULPs at the row's scale, {shown(difference['ulps'])} value by value"
 
 
 def _invariance_cell(entry: dict | None) -> dict:
@@ -441,8 +449,11 @@ def _invariance_cell(entry: dict | None) -> dict:
     w = entry["worst"]
     if w is not None:
         title += f"; worst: sequence {w['sequence']} ({w['against']}) from position {w['position']}, " \
-                 f"{w['rows']} rows, up to {shown(w['ulps'])} ULPs"
-    text = entry["outcome"] + (f" · {shown(w['ulps'])} ULPs" if w is not None else "")
+                 f"{w['rows']} rows, up to {_ulps(w)}"
+    if entry.get("first_node"):
+        title += f"; breaks first at {entry['first_node']}"
+    text = entry["outcome"] + (f" · {shown(w.get('scaled', w['ulps']))} ULPs" if w is not None else "") + (
+        f" · first at {entry['first_node']}" if entry.get("first_node") else "")
     return {"cls": INVARIANCE_CLASSES[entry["outcome"]], "text": text, "title": title, "claimed": entry["claimed"]}
 
 
@@ -462,7 +473,9 @@ def invariance_section(page: Page) -> dict:
         i, backend, dtype = key
         entries = relations.get(key, {})
         checked = ops.get(key, [])
-        varying = [f"{e['op']} ({shown(e['ulps'])} ULPs; first at {e['where']})" for e in checked if e["differing"]]
+        varying = [f"{e['op']} ({_ulps(e)}; first at {e['where']})" for e in checked if e["differing"]]
+        varying += [f"varies run to run: {e['op']} ({e['unrepeated']} of {e['repeated']} rows; first at "
+                    f"{e['run_where']})" for e in checked if e.get("unrepeated")]
         rows.append({"column": page.label(i, backend), "dtype": dtype,
                      "cells": [_invariance_cell(entries.get(r)) for r in INVARIANCE],
                      "ops": "; ".join(varying) or ("none" if checked else "—"), "checked": len(checked)})

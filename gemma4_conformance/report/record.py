@@ -132,22 +132,31 @@ def serving_summary(r) -> str:
     return text
 
 
-def invariance_lines(relations, ops) -> list[str]:
+def invariance_lines(relations, ops, excused: dict | None = None) -> list[str]:
     """The terminal summary's invariance lines: per backend and dtype, each relation's outcome (claimed
-    or measured) and worst difference, and the ops that are not batch-invariant."""
+    or measured; a broken claim that ``excused`` covers is a known deviation) and worst difference, and
+    the ops that are not batch-invariant."""
     lines = []
     for r in sorted(relations, key=lambda r: (r.backend, r.dtype, r.relation)):
-        what = f"{r.outcome} ({'claimed' if r.claimed else 'not claimed'})"
+        outcome = reported(r.outcome, (excused or {}).get((r.backend, r.dtype, f"invariance:{r.relation}"), ""))
+        what = f"{outcome} ({'claimed' if r.claimed else 'not claimed'})"
         text = f"{r.schedules} schedules, {r.differing} of {r.rows} rows differ"
         if r.worst is not None:
-            text += f"; worst: sequence {r.worst.sequence} from position {r.worst.position}, {r.worst.ulps:.3g} ULPs"
+            text += f"; worst: sequence {r.worst.sequence} from position {r.worst.position}, {r.worst.describe()}"
+        if r.first_node:
+            text += f"; breaks first at {r.first_node}"
         lines.append(f"{r.backend:<8} {r.dtype:<9} {'invariance:' + r.relation:<15} {what:<15} {text}")
     varying: dict[tuple[str, str], list[str]] = {}
+    unrepeated: dict[tuple[str, str], list[str]] = {}
     for r in sorted(ops, key=lambda r: (r.backend, r.dtype, r.op)):
         if not r.held:
-            varying.setdefault((r.backend, r.dtype), []).append(f"{r.op} ({r.ulps:.3g} ULPs)")
-    for (backend, dtype), names in sorted(varying.items()):
-        lines.append(f"{backend:<8} {dtype:<9} {'not batch-inv.':<15} {', '.join(names)}")
+            varying.setdefault((r.backend, r.dtype), []).append(f"{r.op} ({r.scaled:.3g} ULPs at the row's scale, "
+                                                                f"{r.ulps:.3g} value by value)")
+        if not r.repeats:
+            unrepeated.setdefault((r.backend, r.dtype), []).append(f"{r.op} ({r.unrepeated} of {r.repeated} rows)")
+    for label, found in (("not batch-inv.", varying), ("varies run to run", unrepeated)):
+        for (backend, dtype), names in sorted(found.items()):
+            lines.append(f"{backend:<8} {dtype:<9} {label:<15} {', '.join(names)}")
     return lines
 
 
@@ -269,7 +278,7 @@ class Recorder:
             if any(r.outcome == "unsupported" for (b, _), r in self.serving.items() if b == backend):
                 missing.append("no session, so no serving path")
             lines.append(f"{backend:<8} unsupported: {'; '.join(missing)}")
-        lines += invariance_lines(self.invariance.values(), self.op_invariance.values())
+        lines += invariance_lines(self.invariance.values(), self.op_invariance.values(), self.excused)
         if self.relations:
             counts = {o: sum(r.outcome == o for r in self.relations.values()) for o in ("passed", "unsupported")}
             lines.append(f"theorems of the spec: {counts['passed']} held, "

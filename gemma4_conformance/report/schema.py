@@ -12,7 +12,7 @@ SCHEMA = "gemma4-conformance-report"
 VERSION = 5
 OUTCOMES = ("passed", "failed", "known deviation", "errored", "not established", "unsupported", "not run")
 NODE_OUTCOMES = ("passed", "failed", "not traced", "inputs not traced")
-INVARIANCE_OUTCOMES = ("held", "varies", "failed", "errored", "unsupported", "not run")
+INVARIANCE_OUTCOMES = ("held", "varies", "failed", "known deviation", "errored", "unsupported", "not run")
 HISTOGRAM_CAP = 500  # the most values a result's histogram keeps
 # The libraries whose versions the environment names.
 LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "transformers", "ml_dtypes", "mpmath", "hypothesis")
@@ -246,17 +246,25 @@ INVARIANCE_FIELDS = {
     "relation": Field(str, '"run", "batch" or "chunk"'),
     "claimed": Field(bool, "true when the adapter promises it (its `invariance`): then a difference fails the run"),
     "outcome": Field(str, '"held", "varies" (not claimed, and it does not hold: measured, not a failure), '
-                          '"failed" (claimed, and it does not hold), "errored", "unsupported" (no session, and not '
-                          'every op to compose one)'),
+                          '"failed" (claimed, and it does not hold), "known deviation" (failed, and excused by a '
+                          'known-deviations entry "invariance:<relation>"), "errored", "unsupported" (no session, and '
+                          'not every op to compose one)'),
     "schedules": Field(int, "schedules compared (an integer; Hypothesis's shrinking included)"),
     "rows": Field(int, "the logit rows compared bitwise (an integer)"),
     "differing": Field(int, "of those, the rows that differ (an integer)"),
-    "worst": Field((dict, type(None)), "the difference of the most ULPs, or null when every row was identical: "
-                                       "{\"sequence\", \"position\" (the first differing one), \"rows\" (how many "
-                                       "differ), \"ulps\" (the largest difference, in ULPs of the dtype), "
-                                       "\"against\" (what was compared), \"schedule\"}"),
+    "worst": Field((dict, type(None)), "the difference of the most ULPs at the row's scale, or null when every "
+                                       "row was identical: {\"sequence\", \"position\" (the first differing one), "
+                                       "\"rows\" (how many differ), \"scaled\" (the largest difference, in ULPs of the "
+                                       "dtype at the row's scale, its largest magnitude; absent before it was "
+                                       "added), \"ulps\" (the same, value by value: how many values of the dtype lie "
+                                       "between the two), \"against\" (what was compared), \"schedule\"}"),
     "message": Field(str, 'the first difference found, every sequence of its schedule ("" when it held)'),
     "rerun": Field(str, 'the command that replays that schedule ("" when it held)'),
+    "first_node": Field(None, 'where that difference begins: the first node of the graph where the two plays\' traces '
+                              'differ and the sequence\'s rows that differ there, e.g. "layers.0.attention, 3 rows" ("" '
+                              'when it held or the session gives no trace; optional)'),
+    "deviation": Field(None, 'the reason of the known-deviations entry that excuses a broken claim ("" when none; '
+                             'optional)'),
 }
 OP_INVARIANCE_FIELDS = {
     "backend": Field(str, AS_IN_RESULTS),
@@ -267,8 +275,14 @@ OP_INVARIANCE_FIELDS = {
                        "compared"),
     "differing": Field(int, "of those, rows that differ from the same rows in the whole call: 0 when the op is "
                             "batch-invariant"),
-    "ulps": Field("number", "the largest difference in ULPs of the dtype"),
+    "scaled": Field(None, "the largest difference in ULPs of the dtype at the row's scale (its largest magnitude); "
+                          "optional"),
+    "ulps": Field("number", "the largest difference in ULPs of the dtype, value by value"),
     "where": Field(str, 'the first difference: the node and how its rows were split ("" when none)'),
+    "repeated": Field(None, "rows of whole calls computed a second time, first (an integer; optional)"),
+    "unrepeated": Field(None, "of those, rows that differ from the first time: the op varies run to run, and the "
+                              "node's rows are not split (an integer; optional)"),
+    "run_where": Field(None, 'the first node whose call did not repeat ("" when none; optional)'),
 }
 PROBLEM_FIELDS = {
     "test": Field(str, "the pytest node id"),
