@@ -6,12 +6,14 @@ float32, computed there, and the result is rounded once to the input dtype at th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import numpy as np
 
 from gemma4_conformance.spec import CONTRACT, format_of
+from gemma4_conformance.spec.exact import one_blas_thread
 
 name = "numpy"
 dtypes = ("float64", "float32", "bfloat16", "float16")
@@ -19,6 +21,11 @@ device = "cpu"  # always, whatever --device says
 # Measured (docs/invariance.md): a schedule played again gives bitwise the same logits; the batch and the
 # chunking do not (BLAS picks its kernel by the number of rows, numpy's sums split by their length).
 invariance = frozenset({"run"})
+
+# The ops whose products may go to BLAS run it on one thread: the same sums whatever the machine's cores
+# and pytest-xdist's workers, and no BLAS threads spinning against other processes on small products
+# (docs/performance.md).
+_ONE_BLAS_THREAD = frozenset({"linear", "gate_up", "lm_head", "causal_gqa", "sliding_gqa", "decode_gqa"})
 
 
 def _compute_dtype(dtype) -> np.dtype:
@@ -44,11 +51,14 @@ def _op(fn):
     """
     kinds = [arg.kind for arg in CONTRACT[fn.__name__].args]
 
+    threads = one_blas_thread if fn.__name__ in _ONE_BLAS_THREAD else contextlib.nullcontext
+
     @functools.wraps(fn)
     def op(*args):
         dtype = next(np.asarray(a).dtype for a, kind in zip(args, kinds) if kind == "float")
         ct = _compute_dtype(dtype)
-        wide = np.asarray(fn(*(_widen(a, kind, ct) for a, kind in zip(args, kinds))))
+        with threads():
+            wide = np.asarray(fn(*(_widen(a, kind, ct) for a, kind in zip(args, kinds))))
         with np.errstate(over="ignore"):  # beyond the dtype's range the rounding is inf, as the spec's is
             return wide.astype(dtype)
 
