@@ -10,22 +10,25 @@ invariance mutant (tests/invariance_mutants.py, a batch-, chunk- or run-invarian
 that breaks what it claims) runs the invariance tests in float32 (bf16 keys are no change in bf16).  Every run
 stops at its first failure (pytest -x), so a mutant costs seconds.  The matrix lists each mutant,
 the test that killed it and the time it took; the exit status is 1 if any mutant survived.  The runs
-are independent processes, ``--jobs`` of them at once (default: one per core).
+are independent processes, ``--jobs`` of them at once (default: one per core), each forked from this
+one after it has imported the suite: importing it is most of what a fresh interpreter would spend on
+a mutant.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+import gemma4_conformance.plugin  # noqa: F401 - imported once, before the forks
 from tests import forward_mutants, invariance_mutants, mutants, serving_mutants
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,22 +60,55 @@ def runs() -> list[Run]:
     return table
 
 
-def kill(run: Run, profile: str) -> tuple[list[str], float, str]:
-    """The tests that failed for this mutant (the first, with -x), the seconds it took, and pytest's
-    last line (which says whether a survivor passed or the run broke)."""
-    with tempfile.TemporaryDirectory() as folder:
-        report = Path(folder) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", *run.selection, f"--backend={run.backend}",
-                   f"--dtype={run.dtype}", f"--hypothesis-profile={profile}", "-x", "-q", "-p", "no:cacheprovider", "--report-html=",
-                   f"--junitxml={report}"]
-        start = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        seconds = time.perf_counter() - start
-        killers = []
-        if report.exists():  # a failed test killed it; an error (the suite or the adapter broke) did not
-            killers = [case.get("name") for case in ET.parse(report).iter("testcase") if case.find("failure") is not None]
-        last = (done.stdout.strip().splitlines() or [""])[-1]
-        return killers, seconds, last
+def start(run: Run, profile: str, folder: Path) -> int:
+    """Fork a process that runs the suite against ``run``'s mutant, its output and JUnit XML in ``folder``;
+    its pid.  No thread runs here, so the fork copies no lock another thread holds."""
+    args = [*run.selection, f"--backend={run.backend}", f"--dtype={run.dtype}", f"--hypothesis-profile={profile}",
+            "-x", "-q", "-p", "no:cacheprovider", "--report-html=", f"--junitxml={folder / 'junit.xml'}"]
+    pid = os.fork()
+    if pid == 0:  # the child: pytest's exit status, whatever happens
+        status = 3
+        try:
+            output = os.open(folder / "output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(output, 1)
+            os.dup2(output, 2)
+            os.chdir(ROOT)
+            status = int(pytest.main(args))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    return pid
+
+
+def verdict(folder: Path) -> tuple[list[str], str]:
+    """The tests that failed for a mutant (the first, with -x), and pytest's last line (which says whether
+    a survivor passed or the run broke)."""
+    report = folder / "junit.xml"
+    killers = []
+    if report.exists():  # a failed test killed it; an error (the suite or the adapter broke) did not
+        killers = [case.get("name") for case in ET.parse(report).iter("testcase") if case.find("failure") is not None]
+    lines = (folder / "output.txt").read_text(errors="replace").strip().splitlines()
+    return killers, (lines or [""])[-1]
+
+
+def kills(table: list[Run], profile: str, jobs: int):
+    """Each run's killers, seconds and last line, in the table's order as soon as it is known, ``jobs`` runs at
+    a time."""
+    with tempfile.TemporaryDirectory() as root:
+        folders = [Path(root) / str(i) for i in range(len(table))]
+        queue, running, done, given = iter(range(len(table))), {}, {}, 0
+        while given < len(table):
+            while len(running) < jobs and (i := next(queue, None)) is not None:
+                folders[i].mkdir()
+                running[start(table[i], profile, folders[i])] = (i, time.perf_counter())
+            pid, _ = os.wait()
+            i, began = running.pop(pid)
+            done[i] = (*verdict(folders[i]), time.perf_counter() - began)
+            while given in done:
+                killers, last, seconds = done.pop(given)
+                yield killers, seconds, last
+                given += 1
 
 
 def main(argv=None) -> int:
@@ -86,13 +122,11 @@ def main(argv=None) -> int:
     width = max(len(r.mutant) for r in table)
     print(f"{'mutant':<{width}}  {'op':<14} {'dtype':<16} {'seconds':>7}  killed by")
     survivors, total = [], time.perf_counter()
-    with ThreadPoolExecutor(max(args.jobs, 1)) as pool:  # each run is a process of its own
-        results = pool.map(lambda run: kill(run, args.profile), table)
-        for run, (killers, seconds, last) in zip(table, results):
-            verdict = ", ".join(killers) if killers else f"SURVIVED ({last})"
-            print(f"{run.mutant:<{width}}  {run.target:<14} {run.dtype:<16} {seconds:>7.1f}  {verdict}", flush=True)
-            if not killers:
-                survivors.append(run.mutant)
+    for run, (killers, seconds, last) in zip(table, kills(table, args.profile, max(args.jobs, 1))):
+        said = ", ".join(killers) if killers else f"SURVIVED ({last})"
+        print(f"{run.mutant:<{width}}  {run.target:<14} {run.dtype:<16} {seconds:>7.1f}  {said}", flush=True)
+        if not killers:
+            survivors.append(run.mutant)
     killed = len(table) - len(survivors)
     print(f"\nkill rate {killed}/{len(table)} = {killed / len(table):.0%} in the {args.profile} profile, "
           f"{time.perf_counter() - total:.0f} s" + (f"; survivors: {', '.join(survivors)}" if survivors else ""))
