@@ -310,7 +310,44 @@ def test_real_session_that_forgets_its_cache_fails(engine, small):
             return super().step(chunks)
 
     folder, weights, _, _ = small
-    session = Forgetful(engine, engine._model(str(folder), "bfloat16"), "bfloat16", 4096, 16)
+    session = Forgetful(engine, engine._model(str(folder), "bfloat16"), weights.config, "bfloat16", 4096, 16)
     verdicts = _session_verdicts(engine, small, "bfloat16", session)
     assert any(error > allowed for error, allowed, _ in verdicts)
     assert any(failures for _, _, failures in verdicts)
+
+
+def _play(session, traced: bool, vocab):
+    """SCHEDULE on ``session`` (step or traced_step): per step, the logits and (traced) the traces."""
+    rng, played = np.random.default_rng(2), []
+    for step in SCHEDULE:
+        chunks = {seq: rng.integers(0, vocab, n) for seq, n in step.items() if n is not None}
+        for seq in (seq for seq, n in step.items() if n is None):
+            session.release(seq)
+        if chunks:
+            played.append((chunks, *(session.traced_step(chunks) if traced else (session.step(chunks), None))))
+    session.close()
+    return played
+
+
+def test_real_traced_session_steps_are_its_plain_steps(engine, small):
+    """traced_step (what names the node where an invariance relation breaks) gives bit for bit the logits
+    of a step on a context without the evaluation callback, and per sequence every node of the graph,
+    one row per token it appended; its rows of the node `logits` are its logits."""
+    from gemma4_conformance.adapters.llama_cpp_backend import Context, _cells
+
+    folder, weights, _, _ = small
+    model = engine._model(str(folder), "float32")
+    plain = engine.session(weights, weights.config.raw, "float32", checkpoint=str(folder))
+    plain.context.close()
+    plain.context = Context(model, engine, plain.capacity, 16, plain.context.n_ubatch)  # no callback
+    plain = _play(plain, False, weights.config.vocab_size)
+    traced = _play(engine.session(weights, weights.config.raw, "float32", checkpoint=str(folder)), True,
+                   weights.config.vocab_size)
+    graph = set(nodes(weights.config))
+    for (chunks, logits, _), (_, traced_logits, traces) in zip(plain, traced, strict=True):
+        assert logits.keys() == traced_logits.keys() == traces.keys()
+        for seq, tokens in chunks.items():
+            np.testing.assert_array_equal(traced_logits[seq], logits[seq])
+            assert set(traces[seq]) == graph
+            assert all(len(rows) == len(tokens) for rows in traces[seq].values())
+            np.testing.assert_array_equal(traces[seq]["logits"], logits[seq])
