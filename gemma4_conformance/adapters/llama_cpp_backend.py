@@ -71,7 +71,9 @@ run would not be the run the logits come from. ``hidden_states`` are the ``l_out
 **Session** (the serving contract): one llama.cpp context whose unified KV cache holds every live
 sequence; each ``step`` is one batch in which every token carries its sequence's slot id and
 position, with every position's logits; ``release`` removes the slot's cells
-(``llama_memory_seq_rm``) and frees the slot for the next sequence.
+(``llama_memory_seq_rm``) and frees the slot for the next sequence.  ``traced_step`` is a step that also
+returns each sequence's rows of every node (the trace above, per step), so that a broken invariance
+relation names the node where the bits part.
 
 **Setup.** ``pip install 'gemma4-conformance[llama-cpp]'`` builds llama-cpp-python from source (CPU
 only: about an hour on 2 busy cores). Its wheel does not ship the converter, so fetch the source tree

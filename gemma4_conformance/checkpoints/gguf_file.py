@@ -47,7 +47,8 @@ def tensors(gguf_path: Path, cfg: TextConfig) -> dict[str, tuple[str, str | None
     out = {}
     for canonical in canonical_names(cfg):
         name = names.get_name(canonical, try_suffixes=(".weight", ".bias"))
-        t = by_name.get(name)
+        # The converter names every tensor of a module "<name>.weight", a layer scalar included
+        t = by_name.get(name) or by_name.get(f"{name}.weight")
         if t is None:
             raise GGUFExportError(f"{gguf_path}: no tensor {name} (the checkpoint's {canonical})")
         kind = t.tensor_type.name
