@@ -366,23 +366,60 @@ def _rounded_to_q8_0(x: np.ndarray) -> np.ndarray:
     return (d * q).reshape(x.shape)
 
 
+def _rounded_to_q8_K(x: np.ndarray) -> np.ndarray:
+    """``x`` as ggml's ``quantize_row_q8_K`` rounds it before a product with k-quant weights, exactly: per block
+    of 256, the value of largest magnitude m, iscale = -127 / m (float32), q = round(iscale * x) (at most 127),
+    d = 1 / iscale in float32."""
+    blocks = x.reshape(-1, 256)
+    m = blocks[np.arange(len(blocks)), np.argmax(np.abs(blocks), axis=1)][:, None]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(m == 0, np.float32(0), np.float32(-127) / m).astype(np.float32)
+        d = np.where(m == 0, np.float32(0), np.float32(1) / iscale).astype(np.float64)
+    return (d * np.minimum(np.rint(iscale * blocks), 127)).reshape(x.shape)
+
+
+def _products_of_rounded_inputs(engine, exported, tokens, nodes_rounding):
+    """For each (node, its input node, weight, rounding): whether llama.cpp's node is the exact product of the
+    exported weight with its traced input rounded, and with its input unrounded, within float32's summation
+    bound (K u sum|terms|)."""
+    weights = checkpoint.load(exported)
+    trace = engine.forward(weights, weights.config.raw, tokens, "float32", checkpoint=str(exported))["trace"]
+    out = []
+    for node, given, weight, rounding in nodes_rounding:
+        x = trace[f"layers.0.{given}"].reshape(len(tokens), -1)
+        got = trace[f"layers.0.{node}"].reshape(len(tokens), -1).astype(np.float64)
+        W = np.asarray(weights[f"model.layers.0.{weight}.weight"], np.float64)  # exact
+        bound = W.shape[1] * 2.0**-24 * (np.abs(rounding(x)) @ np.abs(W).T)
+        out.append((weights.weight_formats[f"model.layers.0.{weight}.weight"],
+                    bool(np.all(np.abs(got - rounding(x) @ W.T) <= bound)),
+                    bool(np.all(np.abs(got - x.astype(np.float64) @ W.T) <= bound))))
+    return out
+
+
 def test_real_q8_0_gguf_runs_its_exported_weights_on_inputs_rounded_to_q8_0(engine, small, tmp_path):
     """llama.cpp on a Q8_0 GGUF of the checkpoint (its converter's --outtype q8_0), exported with its exact
     weights (checkpoints/gguf_file.py): layer 0's q projection is the product of those weights with its input
     rounded to q8_0 blocks, within float32's summation bound, and is not the product with its input: the
     rounding the forward verdict locates at layers.0.q_proj (docs/engines.md).  Wrong exported weights fail
-    the first assertion."""
+    the first comparison."""
     from gemma4_conformance.adapters.llama_cpp_backend import quantize
 
     folder, _, tokens, _ = small
     exported = quantize(folder, "q8_0", tmp_path / "q8_0", engine.cache_dir, engine.source)
-    weights = checkpoint.load(exported)
-    assert set(weights.weight_formats.values()) == {"q8_0"}
-    trace = engine.forward(weights, weights.config.raw, tokens, "float32", checkpoint=str(exported))["trace"]
-    x = trace["layers.0.input_layernorm"].reshape(len(tokens), -1)
-    got = trace["layers.0.q_proj"].reshape(len(tokens), -1).astype(np.float64)
-    W = np.asarray(weights["model.layers.0.self_attn.q_proj.weight"], np.float64)  # exact
-    rounded = _rounded_to_q8_0(x)
-    bound = W.shape[1] * 2.0**-24 * (np.abs(rounded) @ np.abs(W).T)  # K u sum|terms|, float32 sums
-    assert np.all(np.abs(got - rounded @ W.T) <= bound)
-    assert not np.all(np.abs(got - x.astype(np.float64) @ W.T) <= bound)
+    assert _products_of_rounded_inputs(engine, exported, tokens, [
+        ("q_proj", "input_layernorm", "self_attn.q_proj", _rounded_to_q8_0)]) == [("q8_0", True, False)]
+
+
+def test_real_q4_k_m_gguf_runs_its_exported_weights_on_inputs_rounded_to_q8_K(engine, tmp_path):
+    """The same on a Q4_K_M GGUF (llama_model_quantize) of a checkpoint whose rows are whole 256-value blocks
+    (hidden and intermediate size 256, where the CI geometry's 64 would make llama.cpp fall back to q5_0):
+    its q4_k q projection and q6_k down projection take their inputs rounded to q8_K blocks."""
+    from gemma4_conformance.adapters.llama_cpp_backend import quantize
+
+    config = {**generate.small_config(), "hidden_size": 256, "intermediate_size": 256}
+    folder = generate.write_checkpoint(tmp_path / "h256", config, seed=0)
+    exported = quantize(folder, "q4_k_m", tmp_path / "q4_k_m", engine.cache_dir, engine.source)
+    tokens = np.random.default_rng(1).integers(0, config["vocab_size"], TOKENS)
+    assert _products_of_rounded_inputs(engine, exported, tokens, [
+        ("q_proj", "input_layernorm", "self_attn.q_proj", _rounded_to_q8_K),
+        ("down_proj", "geglu", "mlp.down_proj", _rounded_to_q8_K)]) == [("q4_k", True, False), ("q6_k", True, False)]
