@@ -731,7 +731,9 @@ def main(argv=None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m gemma4_conformance.adapters.llama_cpp_backend",
-                                     description="Set up the llama.cpp backend.")
+                                     description="Set up the llama.cpp backend.",
+                                     epilog="quantize CHECKPOINT FOLDER --type {" + ",".join(QUANTIZED) + "}: a GGUF "
+                                            "of CHECKPOINT quantized by llama.cpp, exported to FOLDER for --weights")
     commands = parser.add_subparsers(dest="command", required=True)
     fetch = commands.add_parser("fetch-converter", help="keep llama.cpp's converter of the installed "
                                                         "llama-cpp-python in the cache folder (pip downloads its sdist)")
