@@ -102,7 +102,7 @@ import numpy as np
 
 from gemma4_conformance.checkpoints.checkpoint import refuse_quantized
 from gemma4_conformance.checkpoints.config import TextConfig
-from gemma4_conformance.checkpoints.gguf_file import GGUF_NAME, export
+from gemma4_conformance.checkpoints.gguf_file import GGUF_NAME, GGUFExportError, export
 from gemma4_conformance.spec import format_of
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -602,10 +602,12 @@ class LlamaCpp:
             fa += f", ran {'with' if self.flash_attention else 'without'} flash_attn_ext"
         converted = ", ".join(f"{GGUF_TYPES[d]} {c.seconds:.0f} s" for (_, d), c in self.conversions.items()
                               if c.seconds is not None)
+        exported = ", ".join(str(path) for path in self._models if path.name == GGUF_NAME)
         return (f"llama-cpp-python {self.version}; KV cache {self.kv}"
                 f"{' (llama.cpp default)' if self.kv == DEFAULTS['kv'] else ''}; flash attention {fa}; "
                 f"activations float32, GGUF F32/BF16/F16 from convert_hf_to_gguf"
-                + (f"; converted: {converted}" if converted else ""))
+                + (f"; converted: {converted}" if converted else "")
+                + (f"; ran the exported GGUF {exported} as it is" if exported else ""))
 
     def gguf(self, checkpoint, dtype: str) -> Path:
         """The GGUF of ``checkpoint`` for ``dtype`` (converted once, cached)."""
@@ -763,7 +765,7 @@ def main(argv=None) -> None:
         for dtype in args.dtype or DTYPES:
             done = convert(args.checkpoint.resolve(), dtype, cache_dir, source)
             print(f"{dtype}: {done.gguf}" + (f" ({done.seconds:.0f} s)" if done.seconds is not None else " (cached)"))
-    except SetupError as e:
+    except (SetupError, GGUFExportError) as e:
         sys.exit(str(e))
 
 
