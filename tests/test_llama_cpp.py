@@ -423,3 +423,15 @@ def test_real_q4_k_m_gguf_runs_its_exported_weights_on_inputs_rounded_to_q8_K(en
     assert _products_of_rounded_inputs(engine, exported, tokens, [
         ("q_proj", "input_layernorm", "self_attn.q_proj", _rounded_to_q8_K),
         ("down_proj", "geglu", "mlp.down_proj", _rounded_to_q8_K)]) == [("q4_k", True, False), ("q6_k", True, False)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_real_product_of_one_row_takes_another_kernel(engine, small, dtype):
+    """Why llama.cpp's batch and chunk invariance break at layers.0.q_proj (docs/invariance.md): ggml's CPU
+    matrix product takes tinyBLAS for 2 rows or more and its vec_dot loop for one, which adds in another
+    order.  A token's q projection alone differs from the same row beside others; beside 1, 2 or 7 others it
+    is the same."""
+    folder, weights, tokens, _ = small
+    row = {n: engine.forward(weights, weights.config.raw, tokens[:n], dtype, checkpoint=str(folder))["trace"]
+           ["layers.0.q_proj"].reshape(n, -1)[0] for n in (1, 2, 3, 8)}
+    assert {n: np.array_equal(row[n], row[8]) for n in (1, 2, 3)} == {1: False, 2: True, 3: True}
