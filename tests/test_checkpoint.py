@@ -675,3 +675,10 @@ def test_bad_config_is_a_config_error(sharded):
     (sharded / "config.json").write_text(json.dumps(doc))
     with pytest.raises(ConfigError, match=r"config\.json: text_config\.num_kv_shared_layers"):
         load(sharded)
+
+
+def test_the_generator_writes_the_small_geometry_at_another_width(tmp_path):
+    """--hidden-size and --intermediate-size widen the small geometry (256: every row whole k-quant blocks)."""
+    generate.main([str(tmp_path / "wide"), "--hidden-size=256", "--intermediate-size=256"])
+    config = load(tmp_path / "wide").config
+    assert (config.hidden_size, config.intermediate_size) == (256, 256)

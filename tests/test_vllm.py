@@ -241,8 +241,7 @@ def test_real_vllm_session_reads_its_prefix_cache_and_matches_the_reference(tmp_
     from gemma4_conformance.adapters import numpy_backend
     from gemma4_conformance.checkpoints import checkpoint
     from gemma4_conformance.composition.graph import composed
-    from gemma4_conformance.properties.forward import LONG_CONTEXT_OPS, judge_forward, reference
-    from gemma4_conformance.properties.serving import FACTOR
+    from gemma4_conformance.properties.forward import ACCUMULATED, LONG_CONTEXT_OPS, judge_forward, reference
 
     folder = generate.write_checkpoint(tmp_path / "small", generate.small_config(), seed=0)
     weights = checkpoint.load(folder)
@@ -255,6 +254,6 @@ def test_real_vllm_session_reads_its_prefix_cache_and_matches_the_reference(tmp_
     ref, certificate = reference(weights.config, weights, tokens, ops=LONG_CONTEXT_OPS)
     assert certificate.calls and not certificate.failures, certificate.failures[:3]
     base = composed(numpy_backend, weights.config, weights, tokens, "float32")
-    verdict = judge_forward({"logits": rows}, base, ref, "float32", accumulated=FACTOR)
+    verdict = judge_forward({"logits": rows}, base, ref, "float32", accumulated=ACCUMULATED)
     assert not verdict.failures, verdict.failures
     adapter.close()

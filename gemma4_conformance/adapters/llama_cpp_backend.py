@@ -71,7 +71,9 @@ run would not be the run the logits come from. ``hidden_states`` are the ``l_out
 **Session** (the serving contract): one llama.cpp context whose unified KV cache holds every live
 sequence; each ``step`` is one batch in which every token carries its sequence's slot id and
 position, with every position's logits; ``release`` removes the slot's cells
-(``llama_memory_seq_rm``) and frees the slot for the next sequence.
+(``llama_memory_seq_rm``) and frees the slot for the next sequence.  ``traced_step`` is a step that also
+returns each sequence's rows of every node (the trace above, per step), so that a broken invariance
+relation names the node where the bits part.
 
 **Setup.** ``pip install 'gemma4-conformance[llama-cpp]'`` builds llama-cpp-python from source (CPU
 only: about an hour on 2 busy cores). Its wheel does not ship the converter, so fetch the source tree
@@ -100,6 +102,7 @@ import numpy as np
 
 from gemma4_conformance.checkpoints.checkpoint import refuse_quantized
 from gemma4_conformance.checkpoints.config import TextConfig
+from gemma4_conformance.checkpoints.gguf_file import GGUF_NAME, GGUFExportError, export
 from gemma4_conformance.spec import format_of
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -315,10 +318,11 @@ class Conversion:
     seconds: float | None  # None: found in the cache
 
 
-def convert(checkpoint: Path, dtype: str, cache_dir: Path, source: Path) -> Conversion:
-    """The GGUF of ``checkpoint`` for ``dtype``, converted now or found in the cache."""
+def convert(checkpoint: Path, dtype: str, cache_dir: Path, source: Path, outtype: str | None = None) -> Conversion:
+    """The GGUF of ``checkpoint`` for ``dtype`` (or of the converter's ``outtype``), converted now or found in
+    the cache."""
     refuse_quantized(checkpoint, "llama.cpp's converter")
-    outtype = GGUF_TYPES[dtype]
+    outtype = outtype or GGUF_TYPES[dtype]
     key = hashlib.sha256(f"{checkpoint_fingerprint(checkpoint)}:{converter_fingerprint(source)}".encode()).hexdigest()
     folder = cache_dir / "llama.cpp"
     target = folder / f"{key[:24]}-{outtype}.gguf"
@@ -339,6 +343,34 @@ def convert(checkpoint: Path, dtype: str, cache_dir: Path, source: Path) -> Conv
         "checkpoint": str(checkpoint), "outtype": outtype, "source": str(source), "seconds": round(seconds, 1),
         "llama-cpp-python": library_version()}, indent=1))
     return Conversion(target, seconds)
+
+
+QUANTIZED = {"q8_0": "the converter's --outtype q8_0",
+             "q4_k_m": "llama_model_quantize (LLAMA_FTYPE_MOSTLY_Q4_K_M) of the F32 conversion"}
+
+
+def quantize(checkpoint: Path, kind: str, folder: Path, cache_dir: Path, source: Path) -> Path:
+    """A GGUF of ``checkpoint`` quantized by llama.cpp (``QUANTIZED``), exported with its exact weights to the
+    checkpoint folder ``folder`` (checkpoints/gguf_file.py): ``--weights=folder`` judges llama.cpp on that GGUF
+    against a reference that runs on the same numbers."""
+    if kind not in QUANTIZED:
+        raise ValueError(f"quantize: {kind!r} is not one of {', '.join(QUANTIZED)}")
+    if kind == "q8_0":
+        gguf_path = convert(checkpoint, "float32", cache_dir, source, outtype="q8_0").gguf
+    else:
+        lib = Library.get()
+        L = lib.L
+        f32 = convert(checkpoint, "float32", cache_dir, source).gguf
+        gguf_path = f32.with_name(f32.stem + f"-{kind}.gguf")
+        if not gguf_path.is_file():
+            params = L.llama_model_quantize_default_params()
+            params.ftype = L.LLAMA_FTYPE_MOSTLY_Q4_K_M
+            partial = gguf_path.with_suffix(f".partial-{os.getpid()}")
+            if L.llama_model_quantize(str(f32).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+                partial.unlink(missing_ok=True)
+                raise RuntimeError(f"llama_model_quantize failed on {f32} ({kind}):\n{lib.log_tail()}")
+            partial.replace(gguf_path)
+    return export(gguf_path, checkpoint, folder)
 
 
 # ---- the library through ctypes ------------------------------------------------------------------
@@ -452,7 +484,7 @@ class Context:
     with the adapter's cache type and flash-attention setting; ``collector`` gets the evaluation callback."""
 
     def __init__(self, model: Model, adapter: "LlamaCpp", n_ctx: int, sequences: int, n_ubatch: int,
-                 collector: TraceCollector | None = None):
+                 collector: TraceCollector | None = None, traceable: bool = False):
         lib = model.lib
         L = lib.L
         params = L.llama_context_default_params()
@@ -465,10 +497,13 @@ class Context:
         params.flash_attn_type = {"auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                                   "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED}[adapter.fa]
         self.collector, self.error = collector, None
-        if collector is not None:
+        if collector is not None or traceable:
+            # With the callback installed and no collector, every tensor is declined, and ggml's scheduler then
+            # computes each split whole, as it does without a callback: a traceable session's untraced steps
+            # are its plain steps (tests/test_llama_cpp.py checks it).
             self._callback = L.ggml_backend_sched_eval_callback(self._evaluated)  # kept: ctypes does not
             params.cb_eval = self._callback
-        self.model, self.lib, self.n_batch = model, lib, n_ctx
+        self.model, self.lib, self.n_batch, self.n_ubatch = model, lib, n_ctx, n_ubatch
         self.ptr = L.llama_init_from_model(model.ptr, params)
         if not self.ptr:
             raise RuntimeError(f"llama.cpp could not create a context ({adapter.name}, {n_ctx} cells):\n"
@@ -476,6 +511,8 @@ class Context:
 
     def _evaluated(self, address, ask, user_data):
         try:
+            if self.collector is None:
+                return not ask
             t = GgmlTensor.from_address(address)
             if ask:
                 return self.collector.wants(self.lib.graph_tensor(t, address))
@@ -532,6 +569,12 @@ class LlamaCpp:
     """The llama.cpp backend (module docstring); options as strings, as ``--backend`` passes them."""
 
     dtypes = DTYPES
+    # What llama.cpp promises of its logits' bits: nothing.  Its server's documentation (tools/server/README.md,
+    # `cache_prompt`) says they are not guaranteed bit for bit identical for different batch sizes (prompt
+    # processing against token generation), so neither batch nor chunk; its maintainers answer that different
+    # batch sizes take different matrix product kernels (ggml-org/llama.cpp#4479, #3014), and it has no
+    # deterministic mode (#16016, CUDA only, not merged), so not run either.  Measured: docs/invariance.md.
+    invariance = frozenset()
 
     def __init__(self, kv: str = DEFAULTS["kv"], fa: str = DEFAULTS["fa"], threads: str | None = None,
                  cache_dir: str | None = None, source: str | None = None):
@@ -559,10 +602,12 @@ class LlamaCpp:
             fa += f", ran {'with' if self.flash_attention else 'without'} flash_attn_ext"
         converted = ", ".join(f"{GGUF_TYPES[d]} {c.seconds:.0f} s" for (_, d), c in self.conversions.items()
                               if c.seconds is not None)
+        exported = ", ".join(str(path) for path in self._models if path.name == GGUF_NAME)
         return (f"llama-cpp-python {self.version}; KV cache {self.kv}"
                 f"{' (llama.cpp default)' if self.kv == DEFAULTS['kv'] else ''}; flash attention {fa}; "
                 f"activations float32, GGUF F32/BF16/F16 from convert_hf_to_gguf"
-                + (f"; converted: {converted}" if converted else ""))
+                + (f"; converted: {converted}" if converted else "")
+                + (f"; ran the exported GGUF {exported} as it is" if exported else ""))
 
     def gguf(self, checkpoint, dtype: str) -> Path:
         """The GGUF of ``checkpoint`` for ``dtype`` (converted once, cached)."""
@@ -571,6 +616,9 @@ class LlamaCpp:
                              "from no folder (run on a checkpoint folder: the generated one or --weights)")
         if dtype not in DTYPES:
             raise ValueError(f"{self.name} runs {', '.join(DTYPES)}, not {dtype}")
+        exported = Path(checkpoint) / GGUF_NAME
+        if exported.is_file():  # a folder exported from a GGUF (quantize below): the GGUF runs as it is
+            return exported
         key = (str(Path(checkpoint).resolve()), dtype)
         if key not in self.conversions:
             self.conversions[key] = convert(Path(key[0]), dtype, self.cache_dir, self.source)
@@ -602,7 +650,8 @@ class LlamaCpp:
                 sequences: int = 16) -> "Session":
         """A serving session (issue 12's contract) on llama.cpp's multi-sequence KV cache: ``capacity``
         cells shared by up to ``sequences`` live sequences."""
-        return Session(self, self._model(checkpoint, dtype), dtype, capacity, sequences)
+        cfg = config if isinstance(config, TextConfig) else TextConfig.from_dict(config)
+        return Session(self, self._model(checkpoint, dtype), cfg, dtype, capacity, sequences)
 
     def close(self):
         for model in self._models.values():
@@ -615,15 +664,46 @@ class Session:
 
     UBATCH = 512
 
-    def __init__(self, adapter: LlamaCpp, model: Model, dtype: str, capacity: int, sequences: int):
+    def __init__(self, adapter: LlamaCpp, model: Model, config: TextConfig, dtype: str, capacity: int, sequences: int):
         self.dtype = format_of(dtype).dtype  # the serving contract's logits are in the dtype: llama.cpp's float32, rounded once
-        self.context = Context(model, adapter, _cells(capacity), sequences, min(self.UBATCH, _cells(capacity)))
+        self.config = config
+        self.context = Context(model, adapter, _cells(capacity), sequences, min(self.UBATCH, _cells(capacity)),
+                               traceable=True)
         self.live: dict[int, list[int]] = {}  # suite id -> [slot, next position]
         self.free = list(range(sequences))
         self.capacity = _cells(capacity)
 
     def step(self, chunks: dict) -> dict:
         """``{seq: tokens}`` appended now (one batch, mixed prefill and decode) -> ``{seq: logits [n, V]}``."""
+        tokens, positions, slots, rows = self._batch(chunks)
+        logits = [self.context.decode(tokens[i:i + self.capacity], positions[i:i + self.capacity],
+                                      slots[i:i + self.capacity]) for i in range(0, len(tokens), self.capacity)]
+        logits = np.concatenate(logits) if logits else np.zeros((0, self.context.model.vocab), np.float32)
+        return {seq: logits[r].astype(self.dtype) for seq, r in rows.items()}
+
+    def traced_step(self, chunks: dict) -> tuple[dict, dict]:
+        """``step``, and per sequence the trace of its rows: node -> ``[n, ...]`` (llama.cpp's float32
+        activations, whatever the dtype).  The batch is decoded one ubatch at a time, as llama.cpp splits
+        a batch in order when its cache is unified, so that each trace is one graph's."""
+        tokens, positions, slots, rows = self._batch(chunks)
+        logits, traces, n_ubatch = [], [], self.context.n_ubatch
+        for i in range(0, len(tokens), n_ubatch):
+            part = slice(i, i + n_ubatch)
+            self.context.collector = TraceCollector(self.config)
+            try:
+                logits.append(self.context.decode(tokens[part], positions[part], slots[part]))
+                trace = self.context.collector.trace()
+            finally:
+                self.context.collector = None
+            # [n, ...] whatever n: a single token's [1, H, D] comes back [H, D] (GraphTensor.shape)
+            traces.append({node: v.reshape(len(logits[-1]), -1) for node, v in trace.items()})
+        logits = np.concatenate(logits) if logits else np.zeros((0, self.context.model.vocab), np.float32)
+        joined = {node: np.concatenate([t[node] for t in traces]) for node in traces[0]} if traces else {}
+        return ({seq: logits[r].astype(self.dtype) for seq, r in rows.items()},
+                {seq: {node: v[r] for node, v in joined.items()} for seq, r in rows.items()})
+
+    def _batch(self, chunks: dict):
+        """The batch of one step: its tokens, positions and slots, and each sequence's rows in it."""
         tokens, positions, slots, rows = [], [], [], {}
         for seq, new in chunks.items():
             new = np.asarray(new, dtype=np.int64).reshape(-1)
@@ -638,10 +718,7 @@ class Session:
             positions.extend(range(start, start + len(new)))
             slots.extend([slot] * len(new))
             self.live[seq][1] = start + len(new)
-        logits = [self.context.decode(tokens[i:i + self.capacity], positions[i:i + self.capacity],
-                                      slots[i:i + self.capacity]) for i in range(0, len(tokens), self.capacity)]
-        logits = np.concatenate(logits) if logits else np.zeros((0, self.context.model.vocab), np.float32)
-        return {seq: logits[r].astype(self.dtype) for seq, r in rows.items()}
+        return tokens, positions, slots, rows
 
     def release(self, seq) -> None:
         slot, _ = self.live.pop(seq)
@@ -656,7 +733,9 @@ def main(argv=None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m gemma4_conformance.adapters.llama_cpp_backend",
-                                     description="Set up the llama.cpp backend.")
+                                     description="Set up the llama.cpp backend.",
+                                     epilog="quantize CHECKPOINT FOLDER --type {" + ",".join(QUANTIZED) + "}: a GGUF "
+                                            "of CHECKPOINT quantized by llama.cpp, exported to FOLDER for --weights")
     commands = parser.add_subparsers(dest="command", required=True)
     fetch = commands.add_parser("fetch-converter", help="keep llama.cpp's converter of the installed "
                                                         "llama-cpp-python in the cache folder (pip downloads its sdist)")
@@ -666,6 +745,13 @@ def main(argv=None) -> None:
     pre.add_argument("--dtype", action="append", choices=DTYPES, help="repeatable; default: all three")
     pre.add_argument("--cache-dir", type=Path, default=None)
     pre.add_argument("--source", default=None)
+    quant = commands.add_parser("quantize", help="a GGUF of a checkpoint folder quantized by llama.cpp, exported "
+                                                 "with its exact weights to a checkpoint folder (for --weights)")
+    quant.add_argument("checkpoint", type=Path)
+    quant.add_argument("folder", type=Path)
+    quant.add_argument("--type", required=True, choices=list(QUANTIZED))
+    quant.add_argument("--cache-dir", type=Path, default=None)
+    quant.add_argument("--source", default=None)
     args = parser.parse_args(argv)
     try:
         if args.command == "fetch-converter":
@@ -673,10 +759,13 @@ def main(argv=None) -> None:
             return
         cache_dir = args.cache_dir or default_cache_dir()
         source = find_source(args.source, cache_dir)
+        if args.command == "quantize":
+            print(quantize(args.checkpoint.resolve(), args.type, args.folder, cache_dir, source))
+            return
         for dtype in args.dtype or DTYPES:
             done = convert(args.checkpoint.resolve(), dtype, cache_dir, source)
             print(f"{dtype}: {done.gguf}" + (f" ({done.seconds:.0f} s)" if done.seconds is not None else " (cached)"))
-    except SetupError as e:
+    except (SetupError, GGUFExportError) as e:
         sys.exit(str(e))
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 TEXT_ONLY_ARCHITECTURE = "Gemma4UnifiedForCausalLM"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-OUTTYPES = ("f32", "bf16", "f16")
+OUTTYPES = ("f32", "bf16", "f16", "q8_0")  # q8_0: the converter's own quantizer (gguf.quants)
 
 
 def convert(source: Path, checkpoint: Path, outfile: Path, outtype: str) -> None:
@@ -43,7 +43,7 @@ def convert(source: Path, checkpoint: Path, outfile: Path, outtype: str) -> None
     if not any((checkpoint / name).is_file() for name in TOKENIZER_FILES):
         model_class = _without_tokenizer(model_class)
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                 "f16": gguf.LlamaFileType.MOSTLY_F16}[outtype]
+                 "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
     with torch.inference_mode():
         model = model_class(checkpoint, file_type, outfile, model_name=checkpoint.name)
         model.write()

@@ -74,9 +74,11 @@ own sampled tokens, not given ones, so its in-request decode path is not what th
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -133,11 +135,12 @@ class Vllm:
             scheduling = (dict(enable_prefix_caching=True, block_size=BLOCK, max_num_seqs=MAX_SEQUENCES,
                                max_num_batched_tokens=BATCH_TOKENS) if serving else
                           dict(enable_prefix_caching=False, max_num_seqs=1))
-            self._engine = LLM(model=key[0], dtype=dtype, hf_overrides={"architectures": [TEXT_MODEL]},
-                               kv_cache_dtype=self.kv,
-                               skip_tokenizer_init=True, enforce_eager=True, max_model_len=self.max_len,
-                               max_logprobs=-1, logprobs_mode="raw_logits", seed=0,
-                               kv_cache_memory_bytes=256 * 2**20, **scheduling)
+            with _llvmlite_hidden():
+                self._engine = LLM(model=key[0], dtype=dtype, hf_overrides={"architectures": [TEXT_MODEL]},
+                                   kv_cache_dtype=self.kv,
+                                   skip_tokenizer_init=True, enforce_eager=True, max_model_len=self.max_len,
+                                   max_logprobs=-1, logprobs_mode="raw_logits", seed=0,
+                                   kv_cache_memory_bytes=256 * 2**20, **scheduling)
             self._key = key
         return self._engine
 
@@ -169,6 +172,22 @@ class Vllm:
         if self._engine is not None:
             self._engine = self._key = None
             gc.collect()
+
+
+@contextlib.contextmanager
+def _llvmlite_hidden():
+    """While vLLM starts, llvmlite's ``ffi.lib`` out of its module's namespace.  vLLM 0.32's CPU platform rebinds
+    its triton kernels by scanning every loaded module's names and calling ``vars(value).get`` on each
+    (``triton_utils/dispatcher.py``); ``vars()`` of llvmlite's library wrapper, loaded with numba (the judge's
+    compiled kernels), is a foreign function, and the engine died at start with "'_lib_fn_wrapper' object has no
+    attribute 'get'" (measured 2026-12-04)."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    lib = ffi.__dict__.pop("lib", None) if ffi is not None else None
+    try:
+        yield
+    finally:
+        if lib is not None:
+            ffi.lib = lib
 
 
 def _logits(llm, prompts: list[list[int]], starts: list[int], vocab: int) -> tuple[list[np.ndarray], int]:
