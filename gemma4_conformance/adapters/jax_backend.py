@@ -465,13 +465,16 @@ class JaxAdapter:
     def _precision(self):
         return jax.default_matmul_precision(self.precision) if self.precision != "inherit" else nullcontext()
 
-    def _put(self, a, kind: str):
-        if kind not in ("float", "index", "mask"):
-            return a
+    def _put(self, args, kinds) -> list:
+        """The arrays of ``args`` on the device, in one transfer (a call per array cost more than most ops)."""
+        arrays = [i for i, kind in enumerate(kinds) if kind in ("float", "index", "mask")]
         start = time.perf_counter()
-        a = jax.device_put(np.asarray(a), self.jax_device)
+        placed = jax.device_put([np.asarray(args[i]) for i in arrays], self.jax_device)
         self.transfer_seconds += time.perf_counter() - start
-        return a
+        args = list(args)
+        for i, a in zip(arrays, placed):
+            args[i] = a
+        return args
 
     def _get(self, out) -> np.ndarray:
         out.block_until_ready()  # the op's own time is not a transfer
@@ -503,7 +506,7 @@ def _contract_method(op: str):
 
     def method(self, *args, **kwargs):
         padded, unpad = _padded(CONTRACT[op], args)
-        placed = [self._put(a, kind) for a, kind in zip(padded, kinds)]
+        placed = self._put(padded, kinds)
         with self._precision():
             out = getattr(self.kernels, op)(*placed, **kwargs)
         result = unpad(self._get(out))
