@@ -438,3 +438,67 @@ _INPUTS = ((CAUSAL, "causal_gqa"), (SLIDING, "sliding_gqa"), (DECODE, "decode_gq
 causal_gqa, sliding_gqa, decode_gqa = (_per_op(_attention, inputs, name) for inputs, name in _INPUTS)
 causal_gqa_in_accumulation, sliding_gqa_in_accumulation, decode_gqa_in_accumulation = (
     _per_op(_attention_in_accumulation, inputs, name) for inputs, name in _INPUTS)
+
+
+# ---- Declared roundings: what an adapter's ``formats`` add to the absolute allowance -------------------
+#
+# A declared rounding is a step the dtype under test does not make: the engine computes with the rounded
+# value x^ of an input x.  Its term bounds |x - x^| per element and carries that through the op, so that
+# |computed - exact| <= budget * ulp_D(scale) + absolute + term; the derivations are in tolerances.yaml
+# (each op's ``declared``).
+
+U32 = 2.0**-24  # float32's unit roundoff: llama.cpp forms its block scales and quotients in float32
+# Activation blocks: (values per block, the format the scale is stored in: None where it stays float32)
+ACTIVATION_BLOCKS = {"q8_0": (32, "float16"), "q8_k": (256, None)}
+
+
+def activation_rounding(x, name: str) -> np.ndarray:
+    """Per element, a bound on |x - x^| for x rounded to the activation blocks ``name`` along its last
+    axis (a last, partial block as if padded with zeros), d = a / 127 for a = max |x| over the block:
+
+        |x - x^| <= (3 u + u^2) |x| + d (1 + v) / 2 + e min(127, |x| (1 + u)^2 / (d (1 - v)) + 1 / 2),
+
+    u float32's unit roundoff, v = 2 u + u^2.  llama.cpp (``quantize_row_q8_0``, ``quantize_row_q8_K``)
+    takes x in float32 (u |x| for a float64 x, and its a within u), forms the scale d' (within v d of d:
+    one more rounding) and its inverse in float32, and q = round(t), t = fl(x * inverse):
+    x - d^ q = (x - d' t) + d' (t - q) + (d' - d^) q, d^ the stored scale.  x - d' t is at most
+    (2 u + u^2) |x| (the inverse and the product round once each), t - q at most 1/2, |q| <= |t| + 1/2
+    and at most 127, and d' - d^ is e: half an fp16 ULP at d (1 + v) for ``q8_0``, 0 for ``q8_k``
+    (whose scale stays float32; its sign follows the block's extreme value, which changes nothing
+    here).  A block of zeros is exact; an fp16 scale past 65504 is inf: no bound."""
+    block, stored = ACTIVATION_BLOCKS[name]
+    x = np.abs(np.asarray(x, dtype=np.float64))
+    K = x.shape[-1]
+    padded = np.zeros(x.shape[:-1] + (-(-K // block) * block,))
+    padded[..., :K] = x
+    amax = padded.reshape(x.shape[:-1] + (-1, block)).max(axis=-1)
+    d = np.repeat(amax / 127, block, axis=-1)[..., :K]
+    u = U32
+    v = 2 * u + u * u
+    e = np.zeros_like(d) if stored is None else scale_ulp(d * (1 + v), stored) / 2
+    q = np.where(d > 0, np.minimum(127.0, x * (1 + u) ** 2 / (np.where(d > 0, d, 1.0) * (1 - v)) + 0.5), 0.0)
+    bound = (3 * u + u * u) * x + d * (1 + v) / 2 + e * q
+    if stored is not None:
+        bound = np.where(d * (1 + v) > format_of(stored).max_finite, np.inf, bound)
+    return bound
+
+
+def _carried(dtype, K: int) -> float:
+    """(1 + (K + TAU) u_A + 7 u_D): every rounding a product's budget counts (linear's, gate_up's and
+    lm_head's: the sum's gamma_K in A, the cap's tanh in A, at most seven in D) is relative to a result
+    that the declared rounding moves by its term, and so adds that share of the term."""
+    return 1 + (K + tau(dtype)) * format_of(ACCUMULATION[dtype]).eps + 7 * format_of(dtype).eps
+
+
+def declared_activations(args, dtype, name):
+    """linear and gate_up: sum_k |W_nk| |x_k - x^_k| (activation_rounding), carried (``_carried``)."""
+    *weights, x = args
+    bound = activation_rounding(x, name)
+    carried = _carried(dtype, x.shape[-1])
+    return np.concatenate([carried * (bound @ np.abs(W).T) for W in weights], axis=-1)
+
+
+def lm_head_declared_activations(args, dtype, name):
+    """lm_head: |mul| times linear's term (the cap's slope is at most 1)."""
+    mul, cap, W, x = args
+    return abs(mul) * declared_activations((W, x), dtype, name)
