@@ -158,6 +158,8 @@ def test_declared_formats_come_from_the_adapter_or_its_options():
 @pytest.mark.parametrize("spec, says", [
     ("numpy[activations=q5_0]", r"has the option activations='q5_0', an unknown activations format; the known "
                                 r"ones are q8_0, q8_k"),
+    ("numpy[kv_cache=fp8_e4m3]", r"has the option kv_cache='fp8_e4m3', an unknown kv_cache format; the known "
+                                 r"ones are none yet"),
     ("numpy[weights=int3]", r"has the option weights='int3', an unknown weights format; the known ones are q8_0, "
                             r"q4_0, q4_k, q6_k"),
 ])
@@ -168,7 +170,7 @@ def test_an_unknown_declared_format_is_a_usage_error_naming_the_known_ones(spec,
 
 def test_declared_formats_are_a_dict_of_known_keys(monkeypatch):
     monkeypatch.setattr(Rounding, "__init__", lambda self: setattr(self, "formats", {"kv": "q8_0"}))
-    with pytest.raises(AdapterError, match=r"declares formats for 'kv'; the keys are weights, activations"):
+    with pytest.raises(AdapterError, match=r"declares formats for 'kv'; the keys are weights, activations, kv_cache"):
         load("tests.test_adapters:Rounding")
     monkeypatch.setattr(Rounding, "__init__", lambda self: setattr(self, "formats", {"activations": "fp8"}))
     with pytest.raises(AdapterError, match=r"declares activations='fp8', an unknown activations format; the known "
