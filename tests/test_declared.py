@@ -75,7 +75,7 @@ def test_the_activation_term_holds_and_is_within_4_times_the_worst_error(name):
         W = (np.where(error_per_element < 0, -1.0, 1.0) * magnitudes)[None, :]
         exact = abs(sum(Fraction(float(w)) * (Fraction(float(a)) - Fraction(float(b)))
                         for w, a, b in zip(W[0], x, rounded(x))))
-        bound = error_models.declared_activations((W, x.astype(np.float64)), "float32", name)[0]
+        bound = error_models.declared_activations((W, x.astype(np.float64)), "float32", name)[1][0]
         assert exact <= Fraction(float(bound)), (float(exact), float(bound))
         ratio = float(exact) / float(bound)
         target(ratio, label="error / term")
@@ -111,7 +111,8 @@ CASES = [  # (op, dtype, case): x spread wider than q8_0's 8 bits hold
 def test_rounding_activations_to_q8_0_passes_declared_and_fails_undeclared(op, dtype, case):
     declared = judge(DECLARED, op, case, dtype)
     assert declared.passed and declared.formats == {"activations": "q8_0"} and declared.informative
-    assert declared.declared_dominates
+    # in float32 q8_0's 8 bits dwarf the dtype's roundings; in bfloat16 they are of one size
+    assert declared.declared_dominates if dtype == "float32" else declared.declared_share > 0.25
     undeclared = judge(UNDECLARED, op, case, dtype)
     assert not undeclared.passed and undeclared.formats == {}
 

@@ -241,11 +241,17 @@ def lm_head(args, exact, dtype):
         return np.abs(mul) * dots, flush
     if cap == 0:  # softcap 0 y = 0 * tanh (y / 0) = 0, Lean's y / 0 being 0: a constant, nothing to scale
         return np.abs(exact), flush
+    return _capped_scale(mul, cap, np.abs(exact), dots, logits, K, dtype), flush
+
+
+def _capped_scale(mul, cap, magnitude, dots, logits, K, dtype):
+    """lm_head's scale with a cap: magnitude (|y|) + |mul| slope dots, the slope at its steepest for a
+    logit within its uncertainty of ``logits``."""
     u, u_acc = format_of(dtype).eps, format_of(ACCUMULATION[dtype]).eps
     uncertainty = (K * u_acc + 2 * u + K * 2.0**-52) * dots
     nearest = np.maximum(np.abs(logits) - uncertainty, 0.0)
     slope = 1 / np.cosh(np.minimum(abs(mul) * nearest / cap, 350)) ** 2
-    return np.abs(exact) + np.abs(mul) * slope * dots, flush
+    return magnitude + np.abs(mul) * slope * dots
 
 
 def lm_head_logit_overflows(args, exact, dtype):
@@ -443,9 +449,11 @@ causal_gqa_in_accumulation, sliding_gqa_in_accumulation, decode_gqa_in_accumulat
 # ---- Declared roundings: what an adapter's ``formats`` add to the absolute allowance -------------------
 #
 # A declared rounding is a step the dtype under test does not make: the engine computes with the rounded
-# value x^ of an input x.  Its term bounds |x - x^| per element and carries that through the op, so that
-# |computed - exact| <= budget * ulp_D(scale) + absolute + term; the derivations are in tolerances.yaml
-# (each op's ``declared``).
+# value x^ of an input x.  |computed - exact| <= |computed - f(x^)| + |f(x^) - f(x)|: the first is the
+# op's own error model evaluated at x^, whose scale is at most the scale at x plus what x^ moves it by;
+# the second is at most the term.  So a declared rounding returns (scale's increase, term) per output
+# element: the first added to the scale, the second to the absolute allowance.  The derivations are in
+# tolerances.yaml (each op's ``declared``).
 
 U32 = 2.0**-24  # float32's unit roundoff: llama.cpp forms its block scales and quotients in float32
 # Activation blocks: (values per block, the format the scale is stored in: None where it stays float32)
@@ -483,22 +491,32 @@ def activation_rounding(x, name: str) -> np.ndarray:
     return bound
 
 
-def _carried(dtype, K: int) -> float:
-    """(1 + (K + TAU) u_A + 7 u_D): every rounding a product's budget counts (linear's, gate_up's and
-    lm_head's: the sum's gamma_K in A, the cap's tanh in A, at most seven in D) is relative to a result
-    that the declared rounding moves by its term, and so adds that share of the term."""
-    return 1 + (K + tau(dtype)) * format_of(ACCUMULATION[dtype]).eps + 7 * format_of(dtype).eps
+def _moved(W, x, name):
+    """sum_k |W_nk| |x_k - x^_k| per output (activation_rounding): how far x^ moves a dot product."""
+    return activation_rounding(x, name) @ np.abs(W).T
 
 
 def declared_activations(args, dtype, name):
-    """linear and gate_up: sum_k |W_nk| |x_k - x^_k| (activation_rounding), carried (``_carried``)."""
+    """linear and gate_up: the term T = sum_k |W_nk| |x_k - x^_k|, and the scale sum_k |W_nk| |x^_k| <=
+    sum_k |W_nk| |x_k| + T grows by T."""
     *weights, x = args
-    bound = activation_rounding(x, name)
-    carried = _carried(dtype, x.shape[-1])
-    return np.concatenate([carried * (bound @ np.abs(W).T) for W in weights], axis=-1)
+    term = np.concatenate([_moved(W, x, name) for W in weights], axis=-1)
+    return term, term
 
 
 def lm_head_declared_activations(args, dtype, name):
-    """lm_head: |mul| times linear's term (the cap's slope is at most 1)."""
+    """lm_head: the logit moves by T (linear's), y by |mul| T (the cap's slope is at most 1); the scale
+    at x^ is lm_head's with |y| + |mul| T, the dot products' magnitudes + T and the logits T nearer the
+    cap's steep part, minus the scale at x (a constant output, cap 0, moves nothing)."""
     mul, cap, W, x = args
-    return abs(mul) * declared_activations((W, x), dtype, name)
+    moved = _moved(W, x, name)
+    if cap == 0:
+        return np.zeros_like(moved), np.zeros_like(moved)
+    if cap is None:
+        return abs(mul) * moved, abs(mul) * moved
+    dots, _, logits = _products(x, W, signed=True)
+    K = x.shape[-1]
+    at_x = _capped_scale(mul, cap, 0.0, dots, logits, K, dtype)  # |y| left out of both: it cancels
+    nearer = np.maximum(np.abs(logits) - moved, 0.0)
+    at_rounded = _capped_scale(mul, cap, abs(mul) * moved, dots + moved, nearer, K, dtype)
+    return np.maximum(at_rounded - at_x, 0.0), abs(mul) * moved

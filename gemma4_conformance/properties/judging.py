@@ -145,19 +145,19 @@ class BeyondDeclared(Exception):
 
 
 def _declared_terms(entry, args, dtype, formats: dict[str, str]):
-    """(formats, their terms summed per output element) for the declared roundings ``entry`` has terms
-    for, on the whole output; None where there are none."""
+    """(formats, the scale's increase, the terms) summed per output element over the declared roundings
+    ``entry`` has terms for, on the whole output; None where there are none."""
     declared = {key: name for key, name in formats.items() if key in entry.declared}
     if not declared:
         return None
     wide = _widened(args)
     with np.errstate(invalid="ignore", over="ignore"):  # an unbounded element: inf, or inf times 0
         terms = {key: entry.declared[key](wide, dtype, name) for key, name in declared.items()}
-    for key, term in terms.items():
-        if not np.isfinite(term).all():
+    for key, (grown, term) in terms.items():
+        if not (np.isfinite(grown).all() and np.isfinite(term).all()):
             raise BeyondDeclared(f"the declared {key} format {declared[key]} cannot hold these inputs (a block's "
                                  f"scale is past its range), so its rounding has no bound here")
-    return declared, sum(terms.values())
+    return declared, sum(grown for grown, _ in terms.values()), sum(term for _, term in terms.values())
 
 
 def _assess(entry, args, out, dtype, seed, work, first_stage, fallback, declared) -> Verdict:
@@ -166,7 +166,7 @@ def _assess(entry, args, out, dtype, seed, work, first_stage, fallback, declared
     got = np.asarray(out[index])
     stage = _enclosed(entry, sub_args, dtype, got) if first_stage and entry.enclosure is not None else None
     if declared is not None:
-        declared = declared[0], np.asarray(declared[1])[index]
+        declared = declared[0], *(np.asarray(part)[index] for part in declared[1:])
     verdict_of = partial(_judge, declared=declared)
     if stage is not None:
         verdict, undecided = verdict_of(entry, sub_args, got, dtype, index, stage)
@@ -370,12 +370,14 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
     absolute allowance folded into the unit (error <= budget * unit).  The error models read the exact
     result only as |exact| in the scale (1-Lipschitz): the unit at the ends of its enclosure bounds the
     ULPs.  An element is undecided where its bounds straddle the budget or a zero scale.  ``declared``:
-    (formats, terms) of ``_declared_terms``, the terms added to the absolute allowance."""
+    (formats, the scale's increase, the terms) of ``_declared_terms``: the scale grows by the first, the
+    absolute allowance by the second."""
     op = entry.name
     exact64 = stage.exact64
     scale, absolute = entry.scale(_widened(args), exact64, dtype)
     if declared is not None:
-        absolute = absolute + declared[1].reshape(np.shape(exact64))
+        scale = scale + declared[1].reshape(np.shape(exact64))
+        absolute = absolute + declared[2].reshape(np.shape(exact64))
     # one absolute allowance for every element goes to the compiled loop as it is
     flat_absolute = np.full(1, absolute, dtype=np.float64) if np.ndim(absolute) == 0 else None
     scale, absolute = (np.broadcast_to(a, got.shape) for a in (scale, absolute))
@@ -502,7 +504,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
         verdict.formats = dict(declared[0])
         if ulps.size:
             worst_element = np.unravel_index(np.argmax(np.where(np.isfinite(ulps), ulps, -1.0)), got.shape)
-            term = declared[1].reshape(got.shape)[worst_element]
+            term = declared[2].reshape(got.shape)[worst_element]
             whole_allowance = allowed * scale_ulp(scale[worst_element], dtype) + absolute[worst_element]
             verdict.declared_share = float(term / whole_allowance) if whole_allowance > 0 else 0.0
     if failures:  # an undecided inf, every element whose error could be the largest one over the budget, and

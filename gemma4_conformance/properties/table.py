@@ -219,8 +219,9 @@ class OpEntry:
     # (op, args, mask over the output) -> (sub-args, index): the least part of the sampler's kind that
     # holds the masked elements, for the oracle to judge what the first stage could not.
     restrict: Callable | None = None
-    # Declared roundings (an adapter's ``formats``): key -> (args as float64, dtype, format) -> the term
-    # added to the absolute allowance per output element (error_models, tolerances.yaml's ``declared``)
+    # Declared roundings (an adapter's ``formats``): key -> (args as float64, dtype, format) -> (the
+    # scale's increase, the term added to the absolute allowance) per output element (error_models,
+    # tolerances.yaml's ``declared``)
     declared: dict[str, Callable] = field(default_factory=dict)
     attention: error_models.AttentionInputs | None = None  # an attention op's arguments as queries
     blocks: tuple[int, ...] = ()  # row blocks (M) whose batch invariance is checked beside 1 and all rows
