@@ -131,7 +131,8 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     oracle's).  ``first_stage=False`` is the oracle alone; ``fallback=False`` the enclosure alone (for
     the tests that show the two are needed together).  ``formats``: where the implementation declares
     it rounds beyond ``dtype`` (adapters.DECLARED_FORMATS); each declared rounding the op has a term for
-    adds that term to the absolute allowance.
+    grows the scale by what it moves it by and adds its term to the absolute allowance; inputs a
+    declared format cannot hold raise BeyondDeclared.
     """
     entry = OPS[op]
     with one_blas_thread():
