@@ -68,7 +68,8 @@ class OpRecord:
         if not self.formats:
             return ""
         listed = ", ".join(f"{key} {name}" for key, name in sorted(self.formats.items()))
-        beyond = f"; {self.outside} examples beyond the formats' range not judged" if self.outside else ""
+        beyond = (f"; {self.outside} example{'s' * (self.outside != 1)} beyond the formats' range not judged"
+                  if self.outside else "")
         return (f"given its declared formats ({listed}; their terms are most of the allowance in "
                 f"{self.dominated} of {self.examples} examples{beyond})")
 
