@@ -488,4 +488,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     status = exit_status(config, exitstatus)
     claims = broken_claims(recorder.invariance.values(), recorder.excused)
     claims = f"; broken invariance claims: {', '.join(claims)}" if claims and status == EXIT_NOT_CONFORMANT else ""
-    terminalreporter.write_line(f"conformance exit status {status}: {EXIT_CODES.get(status, 'see pytest')}{claims}")
+    declared = "; ".join(f"{adapter.name}: " + ", ".join(f"{key} {name}" for key, name in sorted(formats.items()))
+                         for adapter in config.conformance_backends.values()
+                         for formats in [adapters.declared_formats(adapter)] if formats)
+    given = f" (given its declared formats: {declared})" if declared and status == EXIT_CONFORMANT else ""
+    terminalreporter.write_line(f"conformance exit status {status}: {EXIT_CODES.get(status, 'see pytest')}{claims}"
+                                f"{given}")

@@ -2,12 +2,15 @@
 
 Each is the graph run with the numpy ops in the dtype, but with one mistake an engine could make in
 wiring the model (a config, weights or op-call edit).  Load one with
---backend=tests.forward_mutants:ADAPTERS.<name>.
+--backend=tests.forward_mutants:ADAPTERS.<name>.  The ``QUANTIZED`` ones read a quantized checkpoint's
+blocks themselves and dequantize them with one mistake: each runs with --weights of a checkpoint in
+its format.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +19,7 @@ from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.checkpoints.config import TextConfig
 from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec.model import forward
+from tests.quantized_engines import dequantized_wrongly, min_with_wrong_sign, scales_in_bfloat16
 
 
 class Rewired(AdapterOps):
@@ -84,4 +88,11 @@ MUTANTS = [
     ForwardMutant("norms_as_one_plus_w", rename={"rmsnorm": "rmsnorm_offset"}),
 ]
 
-ADAPTERS = SimpleNamespace(**{mutant.name: mutant for mutant in MUTANTS})
+# (mutant, the weight format of the checkpoint it reads)
+QUANTIZED = [
+    (ForwardMutant("q4_k_min_with_wrong_sign", edit_weights=partial(dequantized_wrongly, min_with_wrong_sign)), "q4_k"),
+    (ForwardMutant("q4_k_scales_rounded_to_bfloat16", edit_weights=partial(dequantized_wrongly, scales_in_bfloat16)),
+     "q4_k"),
+]
+
+ADAPTERS = SimpleNamespace(**{mutant.name: mutant for mutant in MUTANTS + [m for m, _ in QUANTIZED]})

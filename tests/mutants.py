@@ -18,6 +18,7 @@ import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend as reference
 from gemma4_conformance.spec import CONTRACT, format_of
+from tests.quantized_engines import rounded_to_q8_0
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -246,6 +247,12 @@ def _bf16_dot(W, x):
 @_engine("linear")
 def linear_bf16_accumulation(W, x):
     return _bf16_dot(W, x)
+
+
+def linear_activations_in_q8_0_undeclared(W, x):
+    """llama.cpp's CPU path without its declaration: x rounded to q8_0 blocks before the product
+    (tests/quantized_engines.py; declared, the same engine is conformant)."""
+    return reference.linear(W, rounded_to_q8_0(x))
 
 
 def gate_up_gate_and_up_swapped(Wg, Wu, x):
@@ -499,6 +506,7 @@ MUTANTS = [  # (op, dtype, mutant)
     ("rope_std", "bfloat16", rope_std_inv_freq_buffer_in_bf16),
     ("rope_std", "float32", rope_std_rotation_reversed),
     ("linear", "bfloat16", linear_bf16_accumulation),
+    ("linear", "float32", linear_activations_in_q8_0_undeclared),
     ("gate_up", "float32", gate_up_gate_and_up_swapped),
     ("silu_mul", "float32", silu_mul_gate_and_up_swapped),
     ("gelu_mul", "float32", gelu_mul_gate_and_up_swapped),

@@ -3,7 +3,8 @@
     python -m tests.mutation_study [--profile ci-unshrunk] [--only NAME ...] [--jobs N]
 
 Each op mutant (tests/mutants.py) runs the suite's agreement and relation tests for its op in its
-dtype (``--ops``: ``-k op`` would also match the mutant's name, which begins with the op, and run every op); each model-level mutant (tests/forward_mutants.py) runs the full-forward tests; each serving
+dtype (``--ops``: ``-k op`` would also match the mutant's name, which begins with the op, and run every op); each model-level mutant (tests/forward_mutants.py) runs the full-forward tests, on a quantized
+checkpoint the study writes for those that read its blocks (their dequantization is the bug); each serving
 mutant (tests/serving_mutants.py, a session with one cache bug) runs the serving test in float32,
 whose small baseline error lets no cache bug hide (in bfloat16 some stay under bf16's own); each
 invariance mutant (tests/invariance_mutants.py, a batch-, chunk- or run-invariant engine with one bug
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 
 import gemma4_conformance.plugin  # noqa: F401 - imported once, before the forks
+from gemma4_conformance.checkpoints import generate
 from tests import forward_mutants, invariance_mutants, mutants, serving_mutants
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +45,9 @@ class Run:
     selection: tuple[str, ...]
 
 
-def runs() -> list[Run]:
+def runs(checkpoints: Path) -> list[Run]:
+    """Every mutant's run; ``checkpoints``: the folder holding a quantized checkpoint per weight format
+    (``write_checkpoints``), for the forward mutants that read one."""
     table = [Run(m.__name__, op, dtype, f"tests.mutants:ADAPTERS.{m.__name__}",
                  ("gemma4_conformance/properties/test_agreement.py", "gemma4_conformance/properties/test_relations.py",
                   f"--ops={op}"))
@@ -51,6 +55,10 @@ def runs() -> list[Run]:
     table += [Run(m.name, "forward", "float32,bfloat16", f"tests.forward_mutants:ADAPTERS.{m.name}",
                   ("gemma4_conformance/properties/test_forward.py", "-k", "test_forward_matches_reference"))
               for m in forward_mutants.MUTANTS]
+    table += [Run(m.name, "forward", "float32", f"tests.forward_mutants:ADAPTERS.{m.name}",
+                  ("gemma4_conformance/properties/test_forward.py", "-k", "test_forward_matches_reference",
+                   f"--weights={checkpoints / weight_format}"))
+              for m, weight_format in forward_mutants.QUANTIZED]
     table += [Run(m.name, "serving", "float32", f"tests.serving_mutants:ADAPTERS.{m.name}",
                   ("gemma4_conformance/properties/test_serving.py",))
               for m in serving_mutants.MUTANTS]
@@ -58,6 +66,12 @@ def runs() -> list[Run]:
                   ("gemma4_conformance/properties/test_invariance.py",))
               for m in invariance_mutants.MUTANTS]
     return table
+
+
+def write_checkpoints(folder: Path, table: list[Run]) -> None:
+    """The generated model written in each weight format a run of ``table`` reads, under ``folder``."""
+    for weight_format in {f for m, f in forward_mutants.QUANTIZED if any(r.mutant == m.name for r in table)}:
+        generate.write_checkpoint(folder / weight_format, generate.small_config(), weight_format=weight_format)
 
 
 def start(run: Run, profile: str, folder: Path) -> int:
@@ -118,7 +132,14 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once (default: cores)")
     args = parser.parse_args(argv)
-    table = [r for r in runs() if not args.only or r.mutant in args.only]
+    with tempfile.TemporaryDirectory() as checkpoints:
+        table = [r for r in runs(Path(checkpoints)) if not args.only or r.mutant in args.only]
+        write_checkpoints(Path(checkpoints), table)
+        return study(table, args)
+
+
+def study(table: list[Run], args) -> int:
+    """Run ``table``'s mutants, print the kill matrix; 1 if any survived."""
     width = max(len(r.mutant) for r in table)
     print(f"{'mutant':<{width}}  {'op':<14} {'dtype':<16} {'seconds':>7}  killed by")
     survivors, total = [], time.perf_counter()

@@ -134,3 +134,48 @@ def test_jax_drops_its_programs_before_the_kernels_map_limit_crashes_xla():
     unguarded = subprocess.run(run + ["off"], capture_output=True, text=True, env=env, timeout=600)
     # Without MapBudget it must crash here, or this test no longer shows what the guard prevents.
     assert unguarded.returncode != 0 and "Cannot allocate memory" in unguarded.stderr, unguarded.stderr[-2000:]
+
+
+class Rounding:
+    """An adapter declaring where it rounds beyond the dtype under test (``formats``)."""
+
+    name, dtypes = "rounding", ("float32",)
+
+    def __init__(self):
+        self.formats = {"activations": "q8_0"}
+
+
+def test_declared_formats_come_from_the_adapter_or_its_options():
+    assert adapters.declared_formats(load("tests.test_adapters:Rounding")) == {"activations": "q8_0"}
+    assert adapters.declared_formats(load("tests.test_adapters:Rounding[activations=q8_k]")) == {"activations": "q8_k"}
+    assert adapters.declared_formats(load("numpy")) == {}
+    declared = load("numpy[activations=q8_0,weights=q4_k]")  # any adapter, a module too, takes them in brackets
+    assert adapters.declared_formats(declared) == {"activations": "q8_0", "weights": "q4_k"}
+    assert declared.name == "numpy" and declared.linear is adapters.numpy_backend.linear
+    assert adapters.declared_formats(load("numpy")) == {}  # the module itself is not changed
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("numpy[activations=q5_0]", r"has the option activations='q5_0', an unknown activations format; the known "
+                                r"ones are q8_0, q8_k"),
+    ("numpy[kv_cache=fp8_e4m3]", r"has the option kv_cache='fp8_e4m3', an unknown kv_cache format; the known "
+                                 r"ones are none yet"),
+    ("numpy[weights=int3]", r"has the option weights='int3', an unknown weights format; the known ones are q8_0, "
+                            r"q4_0, q4_k, q6_k"),
+])
+def test_an_unknown_declared_format_is_a_usage_error_naming_the_known_ones(spec, says):
+    with pytest.raises(AdapterError, match=rf"backend '{__import__('re').escape(spec)}' {says}"):
+        load(spec)
+
+
+def test_declared_formats_are_a_dict_of_known_keys(monkeypatch):
+    monkeypatch.setattr(Rounding, "__init__", lambda self: setattr(self, "formats", {"kv": "q8_0"}))
+    with pytest.raises(AdapterError, match=r"declares formats for 'kv'; the keys are weights, activations, kv_cache"):
+        load("tests.test_adapters:Rounding")
+    monkeypatch.setattr(Rounding, "__init__", lambda self: setattr(self, "formats", {"activations": "fp8"}))
+    with pytest.raises(AdapterError, match=r"declares activations='fp8', an unknown activations format; the known "
+                                           r"ones are q8_0, q8_k"):
+        load("tests.test_adapters:Rounding")
+    monkeypatch.setattr(Rounding, "__init__", lambda self: setattr(self, "formats", ["q8_0"]))
+    with pytest.raises(AdapterError, match=r"declares the formats \['q8_0'\]; they are a dict"):
+        load("tests.test_adapters:Rounding")

@@ -5,6 +5,8 @@ The verdict compares each with the float64 reference and the plain same-dtype ba
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,8 @@ from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.composition.graph import composed
 from gemma4_conformance.properties.forward import ACCUMULATED, FACTOR, judge_forward, local_errors, reference
-from tests.forward_mutants import MUTANTS, ForwardMutant
+from tests.forward_mutants import MUTANTS, QUANTIZED, ForwardMutant
+from tests.quantized_engines import dequantized_wrongly
 
 TOKENS = 24
 
@@ -70,3 +73,31 @@ def test_a_correct_engines_unlucky_draw_passes_on_its_own_errors_and_a_coherent_
     assert not run(accumulated=FACTOR + 1, own=2.0)
     assert any("accumulated" in f for f in run(accumulated=ACCUMULATED + 1, own=2.0))
     assert any("own errors" in f for f in run(accumulated=1.0, own=FACTOR + 0.5))
+
+
+@pytest.fixture(scope="module")
+def q4_k_model(tmp_path_factory):
+    folder = generate.write_checkpoint(tmp_path_factory.mktemp("q4_k"), generate.small_config(), weight_format="q4_k")
+    weights = checkpoint.load(folder)
+    tokens = np.random.default_rng(0).integers(0, weights.config.vocab_size, TOKENS)
+    return weights, tokens, reference(weights.config, weights, tokens, certify=False)[0]
+
+
+def _verdict(engine, model, dtype="float32"):
+    weights, tokens, ref = model
+    candidate = composed(engine, weights.config, weights, tokens, dtype)
+    baseline = composed(numpy_backend, weights.config, weights, tokens, dtype)
+    return judge_forward(candidate, baseline, ref, dtype, local_errors(candidate, weights.config, weights, tokens, dtype))
+
+
+@pytest.mark.parametrize("mutant, weight_format", QUANTIZED, ids=lambda m: getattr(m, "name", m))
+def test_a_wrong_dequantization_of_the_checkpoint_s_blocks_fails_the_forward_verdict(q4_k_model, mutant, weight_format):
+    assert weight_format == "q4_k"
+    verdict = _verdict(mutant, q4_k_model)
+    assert any("own" in f for f in verdict.failures), f"{mutant.name} passed: {verdict.failures}"
+
+
+def test_the_blocks_read_and_dequantized_right_pass(q4_k_model):
+    """The control: the same engine with no mistake in its dequantization passes, so each mutant fails by its bug."""
+    right = ForwardMutant("blocks_read_right", edit_weights=partial(dequantized_wrongly, lambda name, blocks: blocks))
+    assert not _verdict(right, q4_k_model).failures

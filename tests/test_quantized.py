@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from functools import partial
 
 import gguf  # the test extra installs it: without it the bit-exactness check must fail, not skip
 import ml_dtypes
@@ -18,9 +19,8 @@ from gemma4_conformance.checkpoints import generate
 from gemma4_conformance.checkpoints.checkpoint import FORMATS_KEY, CheckpointError, load
 from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, UnknownWeightFormat, weight_format
 from gemma4_conformance.properties.forward import reference
+from tests.quantized_engines import SCALES, min_with_wrong_sign, scales_in_bfloat16, set_scale
 
-#: byte offsets of each format's fp16 scales in a block (d, and dmin in q4_k)
-SCALES = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
 #: fp16 bit patterns at the edges: zeros, the smallest and largest subnormals, the smallest normal, one, the
 #: largest finite value, and their negatives
 EDGE_SCALES = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x3C00, 0x7BFF, 0xFBFF, 0x83FF],
@@ -29,10 +29,6 @@ EDGE_SCALES = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x3C00, 
 
 def ggml_type(fmt):
     return getattr(gguf.GGMLQuantizationType, fmt.ggml_type)
-
-
-def set_scale(blocks: np.ndarray, at: int, bits: np.ndarray) -> None:
-    blocks[:, at:at + 2] = np.asarray(bits, dtype="<u2").reshape(-1, 1).view(np.uint8).reshape(-1, 2)
 
 
 def random_blocks(fmt, n: int, seed: int) -> np.ndarray:
@@ -100,29 +96,11 @@ def test_q4_k_values_are_exact_where_float32_rounds():
     assert (rounded != ours).sum() > 100, "the draw reaches values float32 cannot hold"
 
 
-def _negated_min(blocks):
-    """A mutant's input: dmin's sign flipped, so that the true dequantization adds the sub-blocks' mins."""
-    out = blocks.copy()
-    out[:, 3] ^= 0x80
-    return out
-
-
-def _scales_in_bfloat16(fmt):
-    """A mutant's input: every fp16 scale rounded to bfloat16 (8 significant bits) and back."""
-    def transform(blocks):
-        out = blocks.copy()
-        for at in SCALES[fmt.name]:
-            scale = out[:, at:at + 2].copy().view("<f2").astype(np.float32)
-            set_scale(out, at, scale.astype(ml_dtypes.bfloat16).astype(np.float32).astype("<f2").view("<u2"))
-        return out
-    return transform
-
-
 @pytest.mark.parametrize("mutant", ["q4_k min with the wrong sign", "q4_k scales rounded to bfloat16",
                                     "q8_0 scale rounded to bfloat16", "q6_k scale rounded to bfloat16"])
 def test_a_wrong_dequantization_is_caught(mutant):
     fmt = WEIGHT_FORMATS[mutant[:4]]
-    transform = _negated_min if "wrong sign" in mutant else _scales_in_bfloat16(fmt)
+    transform = partial(min_with_wrong_sign if "wrong sign" in mutant else scales_in_bfloat16, fmt.name)
     blocks = random_blocks(fmt, 512, seed=3)
     assert mismatches(fmt, blocks) == 0
     with np.errstate(over="ignore", invalid="ignore"):  # a scale near 65504 rounds to bfloat16's 65536: inf

@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 from importlib.metadata import entry_points
 
+from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS
 from gemma4_conformance.spec import FORMATS
 
 # Built-in backends: name -> (the adapter's module or module:attribute, the library it needs installed,
@@ -42,6 +43,12 @@ SETUP = {
 ENTRY_POINT_GROUP = "gemma4_conformance.adapters"
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 INVARIANCE = ("run", "batch", "chunk")
+# Where an adapter may round beyond the dtype under test, and in which formats (its ``formats``, or the
+# same keys as options in brackets; docs/quantized.md).  Declared weights are the checkpoint's own
+# (the reference runs on their exact values); an activation format adds its derived term to the
+# budgets of the products (properties/error_models.py, tolerances.yaml).
+DECLARED_FORMATS = {"weights": tuple(WEIGHT_FORMATS), "activations": ("q8_0", "q8_k"),
+                    "kv_cache": ()}  # fp8_e4m3 and fp8_e5m2 with a scale, once their term is derived
 
 
 class AdapterError(Exception):
@@ -110,6 +117,7 @@ def load(spec: str, device: str | None = None):
     """The adapter named by ``spec`` (see the module docstring), checked for ``name`` and ``dtypes``;
     ``device`` goes to a factory with a ``device`` parameter whose spec does not set one."""
     name, options = parse(spec)
+    declared = {key: options.pop(key) for key in DECLARED_FORMATS if key in options}
     try:
         obj = _resolve(name)
     except AdapterError:
@@ -145,7 +153,42 @@ def load(spec: str, device: str | None = None):
     if isinstance(claims, str) or not all(isinstance(c, str) for c in claims) or set(claims) - set(INVARIANCE):
         raise AdapterError(f"backend {spec!r} claims the invariance {claims!r}; it is a set of names among "
                            f"{', '.join(INVARIANCE)}")
+    _check_formats(spec, getattr(obj, "formats", {}), "declares")
+    if declared:
+        _check_formats(spec, declared, "has the option")
+        obj = Declared(obj, {**getattr(obj, "formats", {}), **declared})
     return obj
+
+
+def _check_formats(spec: str, formats, how: str) -> None:
+    """A usage error unless ``formats`` maps keys of DECLARED_FORMATS to formats known there."""
+    if not isinstance(formats, dict) or not all(isinstance(k, str) for k in formats):
+        raise AdapterError(f"backend {spec!r} declares the formats {formats!r}; they are a dict with the keys "
+                           f"{', '.join(DECLARED_FORMATS)}")
+    for key, value in formats.items():
+        if key not in DECLARED_FORMATS:
+            raise AdapterError(f"backend {spec!r} declares formats for {key!r}; the keys are "
+                               f"{', '.join(DECLARED_FORMATS)}")
+        if value not in DECLARED_FORMATS[key]:
+            known = ", ".join(DECLARED_FORMATS[key]) or "none yet (docs/quantized.md: still to do)"
+            raise AdapterError(f"backend {spec!r} {how} {key}={value!r}, an unknown {key} format; the known "
+                               f"ones are {known}")
+
+
+class Declared:
+    """An adapter with the formats its spec's options declare: every other attribute is the adapter's
+    (a module or a shared object is not changed by one spec's options)."""
+
+    def __init__(self, adapter, formats: dict[str, str]):
+        self._adapter, self.formats = adapter, formats
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+
+def declared_formats(adapter) -> dict[str, str]:
+    """What ``adapter`` declares it rounds to beyond the dtype under test ({} for most)."""
+    return dict(getattr(adapter, "formats", {}))
 
 
 def _takes_device(factory) -> bool:

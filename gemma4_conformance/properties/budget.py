@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from gemma4_conformance.adapters import DTYPES
+from gemma4_conformance.adapters import DECLARED_FORMATS, DTYPES
 from gemma4_conformance.spec import CONTRACT, format_of
 
 TOLERANCES_PATH = Path(__file__).with_name("tolerances.yaml")
@@ -74,6 +74,8 @@ class Budget:
     # model, and how many times the plain same-dtype arrangements' error a candidate may add to it.
     tier2: Budget | None = None
     factor: float = 0.0
+    # Declared roundings (an adapter's ``formats``): key -> the model of the term it adds
+    declared: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def ulps(self, **quantities: float) -> float:
         """The budget in ULPs at the scale, for an example's dimensions and quantities."""
@@ -119,7 +121,11 @@ def _budget(path: Path, where: str, op: str, dtype: str, entry: dict) -> Budget:
     if not formula:
         raise ValueError(f"{path.name}: {where} has no budget for {dtype}")
     ast.parse(formula, mode="eval")
-    return Budget(op, dtype, formula, " ".join(entry["model"].split()))
+    declared = entry.get("declared", {})
+    if not isinstance(declared, dict) or set(declared) - set(DECLARED_FORMATS):
+        raise ValueError(f"{path.name}: {where}.declared maps keys among {', '.join(DECLARED_FORMATS)} to models")
+    return Budget(op, dtype, formula, " ".join(entry["model"].split()),
+                  declared={key: " ".join(str(model).split()) for key, model in declared.items()})
 
 
 def budget(op: str, dtype: str) -> Budget:

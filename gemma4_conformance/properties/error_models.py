@@ -241,11 +241,17 @@ def lm_head(args, exact, dtype):
         return np.abs(mul) * dots, flush
     if cap == 0:  # softcap 0 y = 0 * tanh (y / 0) = 0, Lean's y / 0 being 0: a constant, nothing to scale
         return np.abs(exact), flush
+    return _capped_scale(mul, cap, np.abs(exact), dots, logits, K, dtype), flush
+
+
+def _capped_scale(mul, cap, magnitude, dots, logits, K, dtype):
+    """lm_head's scale with a cap: magnitude (|y|) + |mul| slope dots, the slope at its steepest for a
+    logit within its uncertainty of ``logits``."""
     u, u_acc = format_of(dtype).eps, format_of(ACCUMULATION[dtype]).eps
     uncertainty = (K * u_acc + 2 * u + K * 2.0**-52) * dots
     nearest = np.maximum(np.abs(logits) - uncertainty, 0.0)
     slope = 1 / np.cosh(np.minimum(abs(mul) * nearest / cap, 350)) ** 2
-    return np.abs(exact) + np.abs(mul) * slope * dots, flush
+    return magnitude + np.abs(mul) * slope * dots
 
 
 def lm_head_logit_overflows(args, exact, dtype):
@@ -438,3 +444,79 @@ _INPUTS = ((CAUSAL, "causal_gqa"), (SLIDING, "sliding_gqa"), (DECODE, "decode_gq
 causal_gqa, sliding_gqa, decode_gqa = (_per_op(_attention, inputs, name) for inputs, name in _INPUTS)
 causal_gqa_in_accumulation, sliding_gqa_in_accumulation, decode_gqa_in_accumulation = (
     _per_op(_attention_in_accumulation, inputs, name) for inputs, name in _INPUTS)
+
+
+# ---- Declared roundings: what an adapter's ``formats`` add to the absolute allowance -------------------
+#
+# A declared rounding is a step the dtype under test does not make: the engine computes with the rounded
+# value x^ of an input x.  |computed - exact| <= |computed - f(x^)| + |f(x^) - f(x)|: the first is the
+# op's own error model evaluated at x^, whose scale is at most the scale at x plus what x^ moves it by;
+# the second is at most the term.  So a declared rounding returns (scale's increase, term) per output
+# element: the first added to the scale, the second to the absolute allowance.  The derivations are in
+# tolerances.yaml (each op's ``declared``).
+
+U32 = 2.0**-24  # float32's unit roundoff: llama.cpp forms its block scales and quotients in float32
+# Activation blocks: (values per block, the format the scale is stored in: None where it stays float32)
+ACTIVATION_BLOCKS = {"q8_0": (32, "float16"), "q8_k": (256, None)}
+
+
+def activation_rounding(x, name: str) -> np.ndarray:
+    """Per element, a bound on |x - x^| for x rounded to the activation blocks ``name`` along its last
+    axis (a last, partial block as if padded with zeros), d = a / 127 for a = max |x| over the block:
+
+        |x - x^| <= (3 u + u^2) |x| + d (1 + v) / 2 + e min(127, |x| (1 + u)^2 / (d (1 - v)) + 1 / 2),
+
+    u float32's unit roundoff, v = 2 u + u^2.  llama.cpp (``quantize_row_q8_0``, ``quantize_row_q8_K``)
+    takes x in float32 (u |x| for a float64 x, and its a within u), forms the scale d' (within v d of d:
+    one more rounding) and its inverse in float32, and q = round(t), t = fl(x * inverse):
+    x - d^ q = (x - d' t) + d' (t - q) + (d' - d^) q, d^ the stored scale.  x - d' t is at most
+    (2 u + u^2) |x| (the inverse and the product round once each), t - q at most 1/2, |q| <= |t| + 1/2
+    and at most 127, and d' - d^ is e: half an fp16 ULP at d (1 + v) for ``q8_0``, 0 for ``q8_k``
+    (whose scale stays float32; its sign follows the block's extreme value, which changes nothing
+    here).  A block of zeros is exact; an fp16 scale past 65504 is inf: no bound."""
+    block, stored = ACTIVATION_BLOCKS[name]
+    x = np.abs(np.asarray(x, dtype=np.float64))
+    K = x.shape[-1]
+    padded = np.zeros(x.shape[:-1] + (-(-K // block) * block,))
+    padded[..., :K] = x
+    amax = padded.reshape(x.shape[:-1] + (-1, block)).max(axis=-1)
+    d = np.repeat(amax / 127, block, axis=-1)[..., :K]
+    u = U32
+    v = 2 * u + u * u
+    e = np.zeros_like(d) if stored is None else scale_ulp(d * (1 + v), stored) / 2
+    q = np.where(d > 0, np.minimum(127.0, x * (1 + u) ** 2 / (np.where(d > 0, d, 1.0) * (1 - v)) + 0.5), 0.0)
+    bound = (3 * u + u * u) * x + d * (1 + v) / 2 + e * q
+    if stored is not None:
+        bound = np.where(d * (1 + v) > format_of(stored).max_finite, np.inf, bound)
+    return bound
+
+
+def _moved(W, x, name):
+    """sum_k |W_nk| |x_k - x^_k| per output (activation_rounding): how far x^ moves a dot product."""
+    return activation_rounding(x, name) @ np.abs(W).T
+
+
+def declared_activations(args, dtype, name):
+    """linear and gate_up: the term T = sum_k |W_nk| |x_k - x^_k|, and the scale sum_k |W_nk| |x^_k| <=
+    sum_k |W_nk| |x_k| + T grows by T."""
+    *weights, x = args
+    term = np.concatenate([_moved(W, x, name) for W in weights], axis=-1)
+    return term, term
+
+
+def lm_head_declared_activations(args, dtype, name):
+    """lm_head: the logit moves by T (linear's), y by |mul| T (the cap's slope is at most 1); the scale
+    at x^ is lm_head's with |y| + |mul| T, the dot products' magnitudes + T and the logits T nearer the
+    cap's steep part, minus the scale at x (a constant output, cap 0, moves nothing)."""
+    mul, cap, W, x = args
+    moved = _moved(W, x, name)
+    if cap == 0:
+        return np.zeros_like(moved), np.zeros_like(moved)
+    if cap is None:
+        return abs(mul) * moved, abs(mul) * moved
+    dots, _, logits = _products(x, W, signed=True)
+    K = x.shape[-1]
+    at_x = _capped_scale(mul, cap, 0.0, dots, logits, K, dtype)  # |y| left out of both: it cancels
+    nearer = np.maximum(np.abs(logits) - moved, 0.0)
+    at_rounded = _capped_scale(mul, cap, abs(mul) * moved, dots + moved, nearer, K, dtype)
+    return np.maximum(at_rounded - at_x, 0.0), abs(mul) * moved

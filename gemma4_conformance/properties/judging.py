@@ -12,6 +12,7 @@ from functools import partial
 import numpy as np
 from mpmath import mp, mpf
 
+from gemma4_conformance.adapters import declared_formats
 from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.spec import CONTRACT, enclosures, format_of, get_precision, precision, round_to, scale_ulp
 from gemma4_conformance.spec.exact import one_blas_thread, widen
@@ -63,6 +64,15 @@ class Verdict:
     # Wall seconds of the backend's call (its transfers to and from its device apart, when it counts
     # them in ``transfer_seconds``) and of the oracle's judgement (exact result, scale, comparison).
     seconds: dict[str, float] = field(default_factory=dict)
+    # The declared formats whose terms this op's allowance holds (key -> format), and at the element with
+    # the largest error the share of its allowance that those terms are.
+    formats: dict[str, str] = field(default_factory=dict)
+    declared_share: float = 0.0
+
+    @property
+    def declared_dominates(self) -> bool:
+        """Whether the declared terms are most of the allowance where the error is largest."""
+        return self.declared_share > 0.5
 
     @property
     def max_error(self) -> float:
@@ -87,7 +97,8 @@ class Verdict:
 
 def judge(adapter, op: str, case: dict, dtype: str, seed: int = 0) -> Verdict:
     """Run ``case`` on the backend and compare its output (or the sampler's part of it) with the oracle
-    (a case may set its own oracle work with ``"work"``, in table.py's element operations)."""
+    (a case may set its own oracle work with ``"work"``, in table.py's element operations), within the
+    allowance that the adapter's declared formats add to (``declared_formats``)."""
     args = build(op, case, dtype)
     moved = getattr(adapter, "transfer_seconds", 0.0)
     start = time.perf_counter()
@@ -95,7 +106,7 @@ def judge(adapter, op: str, case: dict, dtype: str, seed: int = 0) -> Verdict:
     backend = time.perf_counter() - start
     transfer = getattr(adapter, "transfer_seconds", 0.0) - moved
     start = time.perf_counter()
-    verdict = assess(op, args, out, dtype, seed, case.get("work", ORACLE_WORK))
+    verdict = assess(op, args, out, dtype, seed, case.get("work", ORACLE_WORK), formats=declared_formats(adapter))
     verdict.seconds = {"backend": backend - transfer, "transfer": transfer, "oracle": time.perf_counter() - start}
     return verdict
 
@@ -109,7 +120,7 @@ RESOLUTION = 1e-6  # ULPs: errors below it print as 0 in the comparison of the t
 
 
 def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, work: int = ORACLE_WORK,
-           first_stage: bool = True, fallback: bool = True) -> Verdict:
+           first_stage: bool = True, fallback: bool = True, formats: dict[str, str] | None = None) -> Verdict:
     """Compare ``out``, an implementation's result for ``op`` on ``args``, with the oracle: all of it,
     or the part the op's sampler draws when the whole would cost more than ``work``.
 
@@ -118,27 +129,56 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     whole example where the enclosure decides less than half of it, where a tier-2 or informativeness
     decision is too close to call, and wherever the example fails (so a failure's message is the
     oracle's).  ``first_stage=False`` is the oracle alone; ``fallback=False`` the enclosure alone (for
-    the tests that show the two are needed together).
+    the tests that show the two are needed together).  ``formats``: where the implementation declares
+    it rounds beyond ``dtype`` (adapters.DECLARED_FORMATS); each declared rounding the op has a term for
+    grows the scale by what it moves it by and adds its term to the absolute allowance; inputs a
+    declared format cannot hold raise BeyondDeclared.
     """
-    with one_blas_thread():
-        return _assess(op, args, out, dtype, seed, work, first_stage, fallback)
-
-
-def _assess(op, args, out, dtype, seed, work, first_stage, fallback) -> Verdict:
     entry = OPS[op]
+    with one_blas_thread():
+        declared = _declared_terms(entry, args, dtype, formats or {})
+        return _assess(entry, args, out, dtype, seed, work, first_stage, fallback, declared)
+
+
+class BeyondDeclared(Exception):
+    """Inputs that a declared format cannot hold (a block scale past fp16's range): its term has no
+    bound there, and the example is outside what the declaration covers."""
+
+
+def _declared_terms(entry, args, dtype, formats: dict[str, str]):
+    """(formats, the scale's increase, the terms) summed per output element over the declared roundings
+    ``entry`` has terms for, on the whole output; None where there are none."""
+    declared = {key: name for key, name in formats.items() if key in entry.declared}
+    if not declared:
+        return None
+    wide = _widened(args)
+    with np.errstate(invalid="ignore", over="ignore"):  # an unbounded element: inf, or inf times 0
+        terms = {key: entry.declared[key](wide, dtype, name) for key, name in declared.items()}
+    for key, (grown, term) in terms.items():
+        if not (np.isfinite(grown).all() and np.isfinite(term).all()):
+            raise BeyondDeclared(f"the declared {key} format {declared[key]} cannot hold these inputs (a block's "
+                                 f"scale is past its range), so its rounding has no bound here")
+    return declared, sum(grown for grown, _ in terms.values()), sum(term for _, term in terms.values())
+
+
+def _assess(entry, args, out, dtype, seed, work, first_stage, fallback, declared) -> Verdict:
+    op = entry.name
     sub_args, index = entry.sample(op, args, np.random.default_rng(seed), work)
     got = np.asarray(out[index])
     stage = _enclosed(entry, sub_args, dtype, got) if first_stage and entry.enclosure is not None else None
+    if declared is not None:
+        declared = declared[0], *(np.asarray(part)[index] for part in declared[1:])
+    verdict_of = partial(_judge, declared=declared)
     if stage is not None:
-        verdict, undecided = _judge(entry, sub_args, got, dtype, index, stage)
+        verdict, undecided = verdict_of(entry, sub_args, got, dtype, index, stage)
         verdict.by_oracle = int(undecided.sum())
         if not fallback:
             return verdict
         if not verdict.passed and entry.restrict is not None and entry.tier2 is None and got.ndim:  # 0-d: whole
-            failed = _failure_from_restriction(entry, sub_args, got, dtype, index, stage, verdict)
+            failed = _failure_from_restriction(verdict_of, entry, sub_args, got, dtype, index, stage, verdict)
             if failed is not None:
                 return failed
-            verdict, undecided = _judge(entry, sub_args, got, dtype, index, stage)  # as far as it is settled
+            verdict, undecided = verdict_of(entry, sub_args, got, dtype, index, stage)  # as far as it is settled
             verdict.by_oracle = int(undecided.sum())
         if not undecided.any() and verdict.passed:
             # The largest error as the report prints it: the oracle settles the elements that could be it.
@@ -148,11 +188,11 @@ def _assess(op, args, out, dtype, seed, work, first_stage, fallback) -> Verdict:
         if entry.restrict is not None and verdict.passed and undecided.mean() <= FALLBACK_SHARE:
             part, where = entry.restrict(op, sub_args, undecided)
             stage.settle(where, _by_oracle(entry, part, dtype, got[where]))
-            settled, still = _judge(entry, sub_args, got, dtype, index, stage)
+            settled, still = verdict_of(entry, sub_args, got, dtype, index, stage)
             if settled.passed and not still.any():
                 settled.by_oracle = verdict.by_oracle + int(undecided.sum())
                 return settled
-    verdict, _ = _judge(entry, sub_args, got, dtype, index, _by_oracle(entry, sub_args, dtype, got))
+    verdict, _ = verdict_of(entry, sub_args, got, dtype, index, _by_oracle(entry, sub_args, dtype, got))
     verdict.by_oracle = got.size
     return verdict
 
@@ -160,7 +200,7 @@ def _assess(op, args, out, dtype, seed, work, first_stage, fallback) -> Verdict:
 FAILURE_ROUNDS = 4  # restrictions tried before a failing example goes to the oracle whole
 
 
-def _failure_from_restriction(entry, args, got, dtype, index, stage, verdict) -> Verdict | None:
+def _failure_from_restriction(verdict_of, entry, args, got, dtype, index, stage, verdict) -> Verdict | None:
     """A failing example's verdict with the oracle's values at every element its messages could name
     (``Verdict.named``), the oracle judging the least part of the output that holds them, whatever the
     output's size; None where, those settled, the example passes.  An op with a second tier is left to
@@ -174,7 +214,7 @@ def _failure_from_restriction(entry, args, got, dtype, index, stage, verdict) ->
         part, where = entry.restrict(entry.name, args, named)
         stage.settle(where, _by_oracle(entry, part, dtype, got[where]))
         settled[where] = True
-        verdict, _ = _judge(entry, args, got, dtype, index, stage)
+        verdict, _ = verdict_of(entry, args, got, dtype, index, stage)
         if verdict.passed:
             return None
     return None
@@ -323,17 +363,22 @@ def correctly_rounded(oracle, args, exact, dtype, mask=None):
         exact = sharper
 
 
-def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.ndarray]:
+def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tuple[Verdict, np.ndarray]:
     """The verdict on ``got`` from what ``stage`` knows, and the elements whose pass it cannot certify
     (all of them where a decision about the whole example is too close to call).
 
     Per element (``decision.verdict_units``, one compiled loop): the ULPs at the scale, with the
     absolute allowance folded into the unit (error <= budget * unit).  The error models read the exact
     result only as |exact| in the scale (1-Lipschitz): the unit at the ends of its enclosure bounds the
-    ULPs.  An element is undecided where its bounds straddle the budget or a zero scale."""
+    ULPs.  An element is undecided where its bounds straddle the budget or a zero scale.  ``declared``:
+    (formats, the scale's increase, the terms) of ``_declared_terms``: the scale grows by the first, the
+    absolute allowance by the second."""
     op = entry.name
     exact64 = stage.exact64
     scale, absolute = entry.scale(_widened(args), exact64, dtype)
+    if declared is not None:
+        scale = scale + declared[1].reshape(np.shape(exact64))
+        absolute = absolute + declared[2].reshape(np.shape(exact64))
     # one absolute allowance for every element goes to the compiled loop as it is
     flat_absolute = np.full(1, absolute, dtype=np.float64) if np.ndim(absolute) == 0 else None
     scale, absolute = (np.broadcast_to(a, got.shape) for a in (scale, absolute))
@@ -456,6 +501,13 @@ def _judge(entry, args, got, dtype, index, stage: _Stage) -> tuple[Verdict, np.n
                 if tier1_admits(name, answer) and (tier2_admits is None or tier2_admits(answer()))]
     errors = ulps[np.isfinite(ulps)] if not_finite else ulps.ravel()
     verdict = Verdict(op, dtype, allowed, errors, failures, tier2, admitted, checked=got.size)
+    if declared is not None:
+        verdict.formats = dict(declared[0])
+        if ulps.size:
+            worst_element = np.unravel_index(np.argmax(np.where(np.isfinite(ulps), ulps, -1.0)), got.shape)
+            term = declared[2].reshape(got.shape)[worst_element]
+            whole_allowance = allowed * scale_ulp(scale[worst_element], dtype) + absolute[worst_element]
+            verdict.declared_share = float(term / whole_allowance) if whole_allowance > 0 else 0.0
     if failures:  # an undecided inf, every element whose error could be the largest one over the budget, and
         # all of them where a decision about the whole example is too close to call
         ulps_high = np.empty(got.shape)

@@ -22,7 +22,7 @@ one entry here, one oracle and one budget (docs/adding-an-op.md).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -219,6 +219,10 @@ class OpEntry:
     # (op, args, mask over the output) -> (sub-args, index): the least part of the sampler's kind that
     # holds the masked elements, for the oracle to judge what the first stage could not.
     restrict: Callable | None = None
+    # Declared roundings (an adapter's ``formats``): key -> (args as float64, dtype, format) -> (the
+    # scale's increase, the term added to the absolute allowance) per output element (error_models,
+    # tolerances.yaml's ``declared``)
+    declared: dict[str, Callable] = field(default_factory=dict)
     attention: error_models.AttentionInputs | None = None  # an attention op's arguments as queries
     blocks: tuple[int, ...] = ()  # row blocks (M) whose batch invariance is checked beside 1 and all rows
     # The op reads positions or keys across a sequence (the graph's rope and prefill attention), so a long
@@ -267,9 +271,11 @@ OPS: dict[str, OpEntry] = {
         entry("rope", error_models.rope, rope, strategies.rope, long_context=True),
         entry("rope_std", error_models.rope, rope, strategies.rope),
         entry("linear", error_models.inner_products, matrix, strategies.linear, edge_cases=strategies.linear_edges,
-              real_size_cases=real_size.linear, prepare=strategies.cancel_dot, blocks=ROW_BLOCKS),
+              real_size_cases=real_size.linear, prepare=strategies.cancel_dot, blocks=ROW_BLOCKS,
+              declared={"activations": error_models.declared_activations}),
         entry("gate_up", error_models.inner_products, matrix, strategies.linear, edge_cases=strategies.linear_edges,
-              real_size_cases=real_size.gate_up, prepare=strategies.cancel_dot, blocks=ROW_BLOCKS),
+              real_size_cases=real_size.gate_up, prepare=strategies.cancel_dot, blocks=ROW_BLOCKS,
+              declared={"activations": error_models.declared_activations}),
         entry("silu_mul", error_models.silu_mul, elementwise, partial(strategies.elementwise, halves=True)),
         entry("gelu_mul", error_models.gelu_mul, elementwise, partial(strategies.elementwise, halves=True),
               edge_cases=partial(strategies.gelu_edges, halves=True)),
@@ -278,7 +284,8 @@ OPS: dict[str, OpEntry] = {
         entry("lm_head", error_models.lm_head, matrix, partial(strategies.linear, head=True),
               lambda args: {"capped": float(args[1] is not None)}, overflows=error_models.lm_head_logit_overflows,
               edge_cases=partial(strategies.linear_edges, head=True), real_size_cases=real_size.lm_head,
-              prepare=strategies.cancel_dot, blocks=ROW_BLOCKS),
+              prepare=strategies.cancel_dot, blocks=ROW_BLOCKS,
+              declared={"activations": error_models.lm_head_declared_activations}),
         entry("softmax", error_models.softmax, norm, strategies.softmax, edge_cases=strategies.softmax_edges,
               real_size_cases=real_size.softmax, prepare=strategies.offset_logits),
         entry("causal_gqa", error_models.causal_gqa, attention, strategies.attention,
@@ -300,6 +307,8 @@ OPS: dict[str, OpEntry] = {
 assert set(OPS) == set(spec.OP_NAMES), "every op of the contract needs an entry"
 assert all((e.tier2 is not None) == (budget.budget(e.name, "float32").tier2 is not None) for e in OPS.values()), \
     "an op has a second tier exactly where tolerances.yaml gives one"
+assert all(set(e.declared) == set(budget.budget(e.name, "float32").declared) for e in OPS.values()), \
+    "an op has a declared term exactly where tolerances.yaml derives one"
 
 
 def cases(op: str, dtype: str):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma4_conformance.adapters import DTYPES
+from gemma4_conformance.adapters import DTYPES, declared_formats
 from gemma4_conformance.properties.budget import budget
 from gemma4_conformance.properties.forward import ACCUMULATED, FACTOR, FLOOR
 from gemma4_conformance.spec import CONTRACT, format_of
@@ -120,7 +120,8 @@ def result_entry(record, excused: dict | None = None) -> dict:
         "median_ulps": encode(record.quantile(0.5)) if measured else None,
         "budget_formula": b.formula + (f"; second tier {b.tier2.formula} + {b.factor:g} x the plain arrangements' error"
                                        if b.tier2 else ""),
-        "error_model": b.model + (f" Second tier: {b.tier2.model}" if b.tier2 else ""),
+        "error_model": b.model + (f" Second tier: {b.tier2.model}" if b.tier2 else "") + "".join(
+            f" Declared {key} ({name}): {b.declared[key]}" for key, name in sorted(record.formats.items())),
         "worst_case": _jsonable(record.worst_case) if record.worst_case is not None else None,
         "rerun": record.worst_command,
         "message": record.message,
@@ -128,6 +129,9 @@ def result_entry(record, excused: dict | None = None) -> dict:
         "deviation": deviation,
         "seconds": {part: round(value, 6) for part, value in record.seconds.items()},
         "oracle_share": encode(record.by_oracle / record.checked) if record.checked else None,
+        "formats": dict(record.formats),
+        "declared_dominant": int(record.dominated),
+        "given": record.given,
     }
 
 
@@ -348,6 +352,8 @@ def backend_environment(adapter) -> dict:
     env.setdefault("device", getattr(adapter, "device", None) or "not given (the adapter names no device)")
     env["device"] = str(env["device"])  # a torch.device, say (transformers' backend gives one)
     env.setdefault("dtypes", list(adapter.dtypes))
+    if declared_formats(adapter):
+        env["formats"] = declared_formats(adapter)
     return env
 
 

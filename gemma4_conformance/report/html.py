@@ -260,6 +260,9 @@ def _result_cell(page: Page, i: int, backend: str, dtype: str, op: str) -> dict:
              f"{shown(r['worst_ulps'])} ULPs against a budget of {shown(r['budget_ulps'])} "
              f"({r['budget_formula']}), headroom {shown(r['headroom'])}; all examples: max "
              f"{shown(r['max_ulps'])}, p99 {shown(r['p99_ulps'])}, median {shown(r['median_ulps'])} ULPs")
+    if r.get("given"):
+        title += f"; {'conformant ' if r['outcome'] == 'passed' else ''}{r['given']}"
+        sub += " · declared"
     if r["outcome"] == "unsupported" and r["message"]:
         title = f"{backend} {dtype} {op}: unsupported: {r['message']}"
     anchor = page.anchors.get((i, backend, dtype, op))

@@ -51,6 +51,27 @@ class OpRecord:
     seconds: dict[str, float] = field(default_factory=lambda: {"backend": 0.0, "transfer": 0.0, "oracle": 0.0})
     checked: int = 0  # output elements judged
     by_oracle: int = 0  # of those, the ones the first stage's enclosures left to the oracle
+    # The adapter's declared formats whose terms the op's allowance held (key -> format), and in how many
+    # examples those terms were most of the allowance where the error was largest
+    formats: dict[str, str] = field(default_factory=dict)
+    dominated: int = 0
+    outside: int = 0  # examples a declared format cannot hold (judging.BeyondDeclared), not judged
+
+    def declared(self, formats: dict[str, str], dominates: bool) -> None:
+        """Count one example's declared terms (``judging.Verdict.formats``, ``declared_dominates``)."""
+        self.formats.update(formats)
+        self.dominated += dominates
+
+    @property
+    def given(self) -> str:
+        """"" where nothing was declared; else the verdict's qualification, its formats and where they dominate."""
+        if not self.formats:
+            return ""
+        listed = ", ".join(f"{key} {name}" for key, name in sorted(self.formats.items()))
+        beyond = (f"; {self.outside} example{'s' * (self.outside != 1)} beyond the formats' range not judged"
+                  if self.outside else "")
+        return (f"given its declared formats ({listed}; their terms are most of the allowance in "
+                f"{self.dominated} of {self.examples} examples{beyond})")
 
     def judged(self, checked: int, by_oracle: int) -> None:
         self.checked += checked
@@ -250,7 +271,7 @@ class Recorder:
                 continue
             outcome = self.outcome(r.backend, r.dtype, r.op, r.outcome)
             lines.append(f"{r.backend:<8} {r.dtype:<9} {r.op:<15} {outcome:<15} {r.examples:>8} {r.informative:>7} "
-                         f"{r.worst_ulps:>10.3g} {r.budget:>9.3g} {r.headroom:>9.3g}")
+                         f"{r.worst_ulps:>10.3g} {r.budget:>9.3g} {r.headroom:>9.3g}" + (f"  {r.given}" if r.given else ""))
         for (backend, dtype), v in sorted(self.forward.items()):
             if v.layers:
                 worst = max(v.layers, key=lambda e: e[0] / max(e[1], 1e-300))

@@ -83,7 +83,8 @@ ENVIRONMENT_FIELDS = {
                             "reductions and float32 matmul precision, JAX's jax_default_matmul_precision and the "
                             "backend's own), `math_modes_source` (whether the backend forced them or found them) "
                             "and `math_summary` (the modes that change a verdict, in a few words), and `dtypes` "
-                            "(those the backend declares; `dtypes_left_out`: dtype -> why not, where it says), and "
+                            "(those the backend declares; `dtypes_left_out`: dtype -> why not, where it says), `formats` "
+                            "(where it declares rounding beyond the dtype under test: docs/quantized.md), and "
                             "kernel-specific keys (`sdpa_kernels_run`: dtype -> the SDPA kernels torch chose)"),
     "threads": Field(None, "object: `cores` (this process may use), `processes` (1, or pytest-xdist's workers), "
                            "`torch_threads_per_process` (each worker's share of the cores, which the plugin gives "
@@ -141,6 +142,12 @@ RESULT_FIELDS = {
     "oracle_share": Field(None, "number or null (optional): the share of the output elements judged whose "
                                 "verdict the first stage's enclosures left to the oracle (how a verdict is "
                                 "reached)"),
+    "formats": Field(None, "object (optional): the formats the adapter declared that this op's allowance held a "
+                           "derived term for (\"activations\": \"q8_0\", ...; docs/quantized.md), {} where none"),
+    "declared_dominant": Field(None, "integer (optional): in how many examples those terms were most of the "
+                                     "allowance at the element with the largest error"),
+    "given": Field(None, "string (optional): \"given its declared formats (...)\" where `formats` is not empty, "
+                         "which qualifies the outcome: passed means conformant given those formats; else \"\""),
 }
 RELATION_FIELDS = {
     "backend": Field(str, AS_IN_RESULTS),
