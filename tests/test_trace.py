@@ -110,3 +110,27 @@ def test_the_lm_heads_chunks_are_one_node(model, monkeypatch):
     assert [outcomes(v)["logits"] for v in verdicts] == [PASSED, FAILED]
     assert [n.node for n in verdicts[1].nodes].count("logits") == 1
     assert verdicts[1].first_departure.node == "logits"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_declared_activation_rounding_is_judged_by_its_term_and_an_undeclared_one_fails(dtype, model):
+    """The engine that rounds its products' x to q8_0 blocks (tests/quantized_engines.py) passes every
+    node given its declaration, the linear family's nodes with the declared term (issue 36, item 3); the
+    same trace without the declaration departs at the first product, layer 0's q_proj."""
+    from gemma4_conformance.adapters import declared_formats
+    from tests.quantized_engines import DECLARED
+
+    weights, tokens, _ = model
+    trace = trace_of(DECLARED, model, dtype)
+    given = judge_trace(trace, weights.config, weights, tokens, dtype, formats=declared_formats(DECLARED))
+    assert set(outcomes(given).values()) == {PASSED}, given.summary()
+    products = {n.node for n in given.nodes if n.op in ("linear", "gate_up", "lm_head")}
+    assert products and {n.node for n in given.nodes if n.formats} == products
+    assert {n.given for n in given.nodes if n.node in products} == {"given its declared formats: activations q8_0"}
+    assert given.summary().endswith("given its declared formats: activations q8_0"), given.summary()
+    undeclared = judge_trace(trace, weights.config, weights, tokens, dtype)
+    departure = undeclared.first_departure
+    assert departure is not None and (departure.node, departure.op) == ("layers.0.q_proj", "linear"), \
+        undeclared.summary()
+    assert not departure.given and {n.op for n in undeclared.nodes if n.outcome == FAILED} <= \
+        {"linear", "gate_up", "lm_head"}

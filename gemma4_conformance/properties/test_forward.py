@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.adapters import declared_formats, numpy_backend
 from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.composition.graph import composed, missing_ops
@@ -101,13 +101,15 @@ def test_forward_matches_reference(request, backend, adapter, forward_dtype, mod
 @pytest.mark.parametrize("trace_dtype", FORWARD_DTYPES)
 def test_trace_nodes_match_their_ops(request, backend, adapter, trace_dtype, model, runs):
     """Every node the backend's run traced, judged on the backend's own inputs to it against its op's
-    budget: the first failing node says which op, in which layer, departs."""
+    budget (with the terms of its declared formats, as its op tests): the first failing node says which
+    op, in which layer, departs."""
     candidate = candidate_run(request, adapter, trace_dtype, model, runs)
     if candidate["trace"] is None:
         pytest.skip(f"{adapter.name}'s forward returns no trace, so no node can be judged on its own")
     weights, tokens, _ = model
     verdict = judge_trace(completed(candidate["trace"], candidate, weights.config), weights.config, weights,
-                          tokens, trace_dtype, where=f"{adapter.name}'s trace in {trace_dtype}")
+                          tokens, trace_dtype, where=f"{adapter.name}'s trace in {trace_dtype}",
+                          formats=declared_formats(adapter))
     verdict.rerun = rerun_command(request.node, backend, weights=request.config.getoption("--weights"))
     request.config.conformance_recorder.traces[adapter.name, trace_dtype] = verdict
     if verdict.failures:

@@ -15,7 +15,7 @@ from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.spec import CONTRACT, format_of
 from gemma4_conformance.spec.model import forward, nodes
 
-from .judging import assess
+from .judging import BeyondDeclared, assess
 from .table import OPS
 
 NODE_WORK = 1_000  # oracle work per judged node, in element operations (table.py): about one row
@@ -108,6 +108,13 @@ class NodeVerdict:
     budget: float | None = None  # the op's budget for this node's dimensions, same unit
     message: str = ""  # why it failed, or which inputs were not traced
     informative: bool = True  # its budget excludes trivially wrong answers (zeros, the sign flipped, ...)
+    formats: dict[str, str] = field(default_factory=dict)  # the declared formats whose terms its budget held
+
+    @property
+    def given(self) -> str:
+        """"given its declared formats: activations q8_0" where its budget held declared terms; else ""."""
+        listed = ", ".join(f"{key} {name}" for key, name in sorted(self.formats.items()))
+        return f"given its declared formats: {listed}" if listed else ""
 
     @property
     def layer(self) -> int | None:
@@ -156,8 +163,12 @@ class TraceVerdict:
         c = self.counts()
         judged = c[PASSED] + c[FAILED]
         first = self.first_departure
+        given = sorted({f"{key} {name}" for n in self.nodes for key, name in n.formats.items()})
+        given = f" given its declared formats: {', '.join(given)}" if given else ""
         head = (f"first departing node {first.node} ({first.op}, {self.dtype}): {first.error:.3g} ULPs > budget "
-                f"{first.budget:.3g}" if first else f"no node departs ({judged} judged)")
+                f"{first.budget:.3g}{' ' + first.given if first.given else ''}" if first and first.error is not None
+                else f"first departing node {first.node} ({first.op}, {self.dtype})" if first
+                else f"no node departs ({judged} judged){given}")
         rest = f"{c[FAILED]} of {judged} judged nodes failed" if first else ""
         weak = sum(n.outcome == PASSED and not n.informative for n in self.nodes)
         weak = f"{weak} passed where their budget admits a trivially wrong answer (zeros, ...)" if weak else ""
@@ -190,8 +201,10 @@ def completed(trace: dict | None, out: dict, config) -> dict:
 
 
 def judge_trace(trace: dict, config, weights, tokens, dtype: str, work: int = NODE_WORK,
-                where: str = "trace") -> TraceVerdict:
-    """Replay ``trace`` through the graph and judge every node on the engine's own inputs (module docstring)."""
+                where: str = "trace", formats: dict[str, str] | None = None) -> TraceVerdict:
+    """Replay ``trace`` through the graph and judge every node on the engine's own inputs (module docstring),
+    within the allowance the engine's declared ``formats`` add to its op's budget (judging.assess), as the
+    op tests judge it."""
     calls = replay(trace, config, weights, tokens, dtype, where)
     verdicts: dict[str, NodeVerdict] = {}
     for index, c in enumerate(calls):
@@ -201,7 +214,7 @@ def judge_trace(trace: dict, config, weights, tokens, dtype: str, work: int = NO
             v = NodeVerdict(c.node, c.op, INPUTS_NOT_TRACED,
                             message=f"its input(s) {', '.join(c.untraced_inputs)} were not traced")
         else:
-            v = _judge(c, dtype, index, work)
+            v = _judge(c, dtype, index, work, formats)
         if c.node in verdicts:  # the LM head's chunks: one node, the worst chunk
             v = _worse(verdicts[c.node], v)
         verdicts[c.node] = v
@@ -212,9 +225,11 @@ def judge_trace(trace: dict, config, weights, tokens, dtype: str, work: int = NO
     return verdict
 
 
-def _judge(c: Call, dtype: str, seed: int, work: int) -> NodeVerdict:
+def _judge(c: Call, dtype: str, seed: int, work: int, formats: dict[str, str] | None) -> NodeVerdict:
     """The node's op on a sample of the call's outputs; an attention node also on its last query, which
-    sees the most keys and, past the window, the window's edge (a drawn query may be an early one)."""
+    sees the most keys and, past the window, the window's edge (a drawn query may be an early one).
+    Inputs a declared format cannot hold (judging.BeyondDeclared) fail the node: there the engine's
+    rounding has no bound it declared."""
     samples = [(c.args, c.out)]
     if OPS[c.op].prefill:
         *head, pos, q, k, v = c.args
@@ -222,10 +237,13 @@ def _judge(c: Call, dtype: str, seed: int, work: int) -> NodeVerdict:
         samples.append(((*head, pos[last:last + 1], q[last:last + 1], k, v), c.out[last:last + 1]))
     verdict = None
     for args, out in samples:
-        judged = assess(c.op, args, out, dtype, seed=seed, work=work)
+        try:
+            judged = assess(c.op, args, out, dtype, seed=seed, work=work, formats=formats)
+        except BeyondDeclared as e:
+            return NodeVerdict(c.node, c.op, FAILED, message=f"{c.node}: {e}")
         error, budget = judged.worst  # the tier with the least headroom (attention has two)
         node = NodeVerdict(c.node, c.op, FAILED if judged.failures else PASSED, error, budget,
-                           "; ".join(judged.failures), judged.informative)
+                           "; ".join(judged.failures), judged.informative, judged.formats)
         verdict = node if verdict is None else _worse(verdict, node)
     return verdict
 

@@ -192,7 +192,8 @@ def _local(verdict) -> dict | None:
 def _node(n) -> dict:
     """A trace node (``properties.trace.NodeVerdict``) as the document holds it."""
     return {"node": n.node, "op": n.op, "outcome": n.outcome, "error": encode(n.error),
-            "budget": encode(n.budget), "message": n.message, "informative": bool(n.informative)}
+            "budget": encode(n.budget), "message": n.message, "informative": bool(n.informative),
+            "given": n.given}
 
 
 def trace_entry(backend: str, dtype: str, verdict, deviation: str = "") -> dict:

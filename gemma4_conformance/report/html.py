@@ -508,6 +508,8 @@ def _node_cell(node: dict | None) -> dict:
     title = f"{node['node']} ({node['op']}): {node['outcome']}"
     if ratio is not None:
         title += f", {shown(error)} ULPs against a budget of {shown(budget)}"
+    if node.get("given"):  # optional in the schema: documents written before it lack it
+        title += f" {node['given']}"
     if node["outcome"] == "passed" and not node["informative"]:
         title += " (not informative: its budget admits a trivially wrong answer here)"
     if node["message"]:

@@ -218,6 +218,9 @@ NODE_FIELDS = {
     "message": Field(str, 'why it failed, or which inputs were missing ("" when it passed)'),
     "informative": Field(bool, "false when the node's budget would also admit a trivially wrong answer there, as "
                                "`results`' examples"),
+    "given": Field(None, "string (optional): \"given its declared formats: activations q8_0\" where the node's "
+                         "budget held the derived terms of the formats the adapter declared, which qualifies its "
+                         "outcome; else \"\""),
 }
 SERVING_FIELDS = {
     "backend": Field(str, "as in `forward`"),
