@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from gemma4_conformance.adapters import numpy_backend
-from gemma4_conformance.adapters.llama_cpp_backend import GraphTensor, TraceCollector, convert
+from gemma4_conformance.adapters.llama_cpp_backend import GraphTensor, TraceCollector, convert, declared_activations
 from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec.model import forward, nodes
@@ -179,6 +179,36 @@ def test_a_quantized_checkpoint_is_refused_before_the_converter_runs(tmp_path):
     with pytest.raises(ValueError, match="stores matrices as q8_0 blocks, which llama.cpp's converter cannot read"):
         convert(folder, "float32", tmp_path / "cache", tmp_path / "no-source")
     assert not (tmp_path / "cache").exists()
+
+
+def _gguf_of(path, types):
+    """A GGUF holding one zero tensor of each ggml type in ``types`` (raw blocks) and a float32 norm."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "gemma4")
+    for i, name in enumerate(types):
+        kind = gguf.GGMLQuantizationType[name]
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        writer.add_tensor(f"t{i}.weight", np.zeros((2, 256 // block * size), np.uint8), raw_dtype=kind)
+    writer.add_tensor("norm.weight", np.zeros(4, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("types, formats", [(["Q8_0"], {"activations": "q8_0"}), (["Q4_0", "Q8_0"], {"activations": "q8_0"}),
+                                            (["Q4_K", "Q6_K"], {"activations": "q8_k"}), (["F16"], {})])
+def test_a_gguf_declares_the_activation_format_of_its_block_types(tmp_path, types, formats):
+    """What ggml's CPU products round x to (VEC_DOT_TYPES): Q4_K_M's q4_K and q6_K both round to q8_K."""
+    assert declared_activations(_gguf_of(tmp_path / "m.gguf", types)) == formats
+
+
+def test_a_gguf_mixing_q8_0_and_q8_k_products_is_refused(tmp_path):
+    path = _gguf_of(tmp_path / "mixed.gguf", ["Q8_0", "Q4_K"])
+    with pytest.raises(ValueError, match=r"Q8_0 round x to q8_0; Q4_K round x to q8_k\): the suite declares one"):
+        declared_activations(path)
 
 
 # ---- the real engine -------------------------------------------------------------------------------
@@ -408,6 +438,7 @@ def test_real_q8_0_gguf_runs_its_exported_weights_on_inputs_rounded_to_q8_0(engi
     exported = quantize(folder, "q8_0", tmp_path / "q8_0", engine.cache_dir, engine.source)
     assert _products_of_rounded_inputs(engine, exported, tokens, [
         ("q_proj", "input_layernorm", "self_attn.q_proj", _rounded_to_q8_0)]) == [("q8_0", True, False)]
+    assert engine.formats == {"activations": "q8_0"}  # what it declares, so that its verdicts hold the term
 
 
 def test_real_q4_k_m_gguf_runs_its_exported_weights_on_inputs_rounded_to_q8_K(engine, tmp_path):
@@ -423,6 +454,7 @@ def test_real_q4_k_m_gguf_runs_its_exported_weights_on_inputs_rounded_to_q8_K(en
     assert _products_of_rounded_inputs(engine, exported, tokens, [
         ("q_proj", "input_layernorm", "self_attn.q_proj", _rounded_to_q8_K),
         ("down_proj", "geglu", "mlp.down_proj", _rounded_to_q8_K)]) == [("q4_k", True, False), ("q6_k", True, False)]
+    assert engine.formats == {"activations": "q8_k"}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

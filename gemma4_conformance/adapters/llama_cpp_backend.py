@@ -135,6 +135,12 @@ LAYER_TENSORS = {
     "ffn_post_norm": "post_feedforward_layernorm",
     "l_out": "layer_scalar",
 }
+# The format ggml's CPU backend rounds a product's input x to before multiplying it with a weight of each
+# block type: that type's ``vec_dot_type`` in ``type_traits_cpu`` (ggml/src/ggml-cpu/ggml-cpu.c of the
+# llama.cpp that llama-cpp-python 0.3.36 vendors: Q4_0 and Q8_0 -> GGML_TYPE_Q8_0, Q4_K and Q6_K ->
+# GGML_TYPE_Q8_K); the products are then integer dot products of the blocks.  What the adapter declares
+# as its ``activations`` (``declared_activations``, docs/engines.md).
+VEC_DOT_TYPES = {"Q4_0": "q8_0", "Q8_0": "q8_0", "Q4_K": "q8_k", "Q6_K": "q8_k"}
 GLOBAL_TENSORS = {"inp_scaled": "embed", "result_norm": "final_norm", "result_output": "logits"}
 _LAYER_NAME = re.compile(r"^(?P<base>[A-Za-z_]+)-(?P<layer>\d+)$")
 
@@ -460,14 +466,34 @@ class Library:
         return np.array(strided, dtype=np.float32)
 
 
+def declared_activations(gguf_path: Path) -> dict[str, str]:
+    """The ``formats`` llama.cpp's CPU products have on the GGUF ``gguf_path``: ``{"activations": f}``, f the
+    ``vec_dot_type`` of its block types (VEC_DOT_TYPES), ``{}`` for a float GGUF.  A GGUF whose block types
+    round x to both q8_0 and q8_K is refused: a declaration is the adapter's, not a tensor's."""
+    import gguf
+
+    by_format: dict[str, set[str]] = {}
+    for t in gguf.GGUFReader(gguf_path).tensors:
+        if t.tensor_type.name in VEC_DOT_TYPES:
+            by_format.setdefault(VEC_DOT_TYPES[t.tensor_type.name], set()).add(t.tensor_type.name)
+    if len(by_format) > 1:
+        mixed = "; ".join(f"{', '.join(sorted(types))} round x to {fmt}" for fmt, types in sorted(by_format.items()))
+        raise ValueError(f"{gguf_path} mixes block types whose products round their input to different formats "
+                         f"({mixed}): the suite declares one activation format per adapter, so it cannot judge "
+                         f"this GGUF's products (quantize it to one family: Q8_0/Q4_0, or K-quants)")
+    return {"activations": fmt for fmt in by_format}
+
+
 class Model:
-    """A loaded GGUF (``llama_model``), shared by an adapter's forwards and sessions."""
+    """A loaded GGUF (``llama_model``), shared by an adapter's forwards and sessions; ``formats``: what its
+    products round beyond the dtype under test (``declared_activations``)."""
 
     def __init__(self, lib: Library, path: Path):
         L = lib.L
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
         self.lib, self.path = lib, path
+        self.formats = declared_activations(path)
         self.ptr = L.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
             raise RuntimeError(f"llama.cpp could not load {path}:\n{lib.log_tail()}")
@@ -593,6 +619,9 @@ class LlamaCpp:
         self.conversions: dict[tuple[str, str], Conversion] = {}  # (checkpoint, dtype) -> its GGUF
         self._models: dict[Path, Model] = {}
         self.flash_attention: bool | None = None  # what fa resolved to in the last forward
+        # What the GGUF of the last forward or session rounds beyond the dtype under test (Model.formats): a
+        # quantized GGUF's activation format, so that its products are judged with its derived term.
+        self.formats: dict[str, str] = {}
 
     @property
     def notes(self) -> str:
@@ -605,7 +634,9 @@ class LlamaCpp:
         exported = ", ".join(str(path) for path in self._models if path.name == GGUF_NAME)
         return (f"llama-cpp-python {self.version}; KV cache {self.kv}"
                 f"{' (llama.cpp default)' if self.kv == DEFAULTS['kv'] else ''}; flash attention {fa}; "
-                f"activations float32, GGUF F32/BF16/F16 from convert_hf_to_gguf"
+                + (f"activations rounded to {self.formats['activations']} blocks before each product with a "
+                   f"quantized weight (declared)" if self.formats else
+                   "activations float32, GGUF F32/BF16/F16 from convert_hf_to_gguf")
                 + (f"; converted: {converted}" if converted else "")
                 + (f"; ran the exported GGUF {exported} as it is" if exported else ""))
 
@@ -628,6 +659,7 @@ class LlamaCpp:
         path = self.gguf(checkpoint, dtype)
         if path not in self._models:
             self._models[path] = Model(Library.get(), path)
+        self.formats = self._models[path].formats
         return self._models[path]
 
     def forward(self, weights, config, tokens, dtype: str, checkpoint=None) -> dict:
