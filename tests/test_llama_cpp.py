@@ -198,8 +198,9 @@ def _gguf_of(path, types):
     return path
 
 
-@pytest.mark.parametrize("types, formats", [(["Q8_0"], {"activations": "q8_0"}), (["Q4_0", "Q8_0"], {"activations": "q8_0"}),
-                                            (["Q4_K", "Q6_K"], {"activations": "q8_k"}), (["F16"], {})])
+@pytest.mark.parametrize("types, formats", [
+    (["Q8_0"], {"activations": "q8_0"}), (["Q4_0", "Q8_0"], {"activations": "q8_0"}),
+    (["Q4_K", "Q6_K"], {"activations": "q8_k"}), (["F16"], {})])
 def test_a_gguf_declares_the_activation_format_of_its_block_types(tmp_path, types, formats):
     """What ggml's CPU products round x to (VEC_DOT_TYPES): Q4_K_M's q4_K and q6_K both round to q8_K."""
     assert declared_activations(_gguf_of(tmp_path / "m.gguf", types)) == formats

@@ -6,18 +6,23 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
+import numpy as np
 import pytest
 
-from gemma4_conformance.adapters import load, numpy_backend
+from gemma4_conformance.adapters import declared_formats, load, numpy_backend
 from gemma4_conformance.composition.graph import composed
 from gemma4_conformance.properties.trace import (
     FAILED,
     INPUTS_NOT_TRACED,
     NOT_TRACED,
     PASSED,
+    Call,
+    TraceVerdict,
+    _judge,
     completed,
     judge_trace,
 )
+from tests.quantized_engines import DECLARED
 from tests.trace_engines import WRONG_OPS, OneWrongNode, small_model
 
 
@@ -117,9 +122,6 @@ def test_a_declared_activation_rounding_is_judged_by_its_term_and_an_undeclared_
     """The engine that rounds its products' x to q8_0 blocks (tests/quantized_engines.py) passes every
     node given its declaration, the linear family's nodes with the declared term (issue 36, item 3); the
     same trace without the declaration departs at the first product, layer 0's q_proj."""
-    from gemma4_conformance.adapters import declared_formats
-    from tests.quantized_engines import DECLARED
-
     weights, tokens, _ = model
     trace = trace_of(DECLARED, model, dtype)
     given = judge_trace(trace, weights.config, weights, tokens, dtype, formats=declared_formats(DECLARED))
@@ -134,3 +136,18 @@ def test_a_declared_activation_rounding_is_judged_by_its_term_and_an_undeclared_
         undeclared.summary()
     assert not departure.given and {n.op for n in undeclared.nodes if n.outcome == FAILED} <= \
         {"linear", "gate_up", "lm_head"}
+
+
+def test_a_node_whose_inputs_its_declared_format_cannot_hold_fails_saying_so():
+    """A block scale past fp16's range has no declared bound (judging.BeyondDeclared): in the trace the node
+    fails with that reason, rather than the trace stopping or the node being judged without the term."""
+    x = np.full((1, 32), 127 * 70000.0, dtype=np.float32)
+    W = np.ones((2, 32), dtype=np.float32)
+    with np.errstate(over="ignore"):  # the engine's q8_0 scale overflows fp16: what the node is judged on
+        out = DECLARED.linear(W, x)
+    call = Call("layers.0.q_proj", "linear", (W, x), out, True, ())
+    node = _judge(call, "float32", 0, 1000, {"activations": "q8_0"})
+    assert node.outcome == FAILED and node.error is None
+    assert "the declared activations format q8_0 cannot hold these inputs" in node.message
+    summary = TraceVerdict("float32", [node]).summary()
+    assert summary.startswith("first departing node layers.0.q_proj (linear, float32)"), summary
