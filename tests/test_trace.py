@@ -11,6 +11,7 @@ import pytest
 
 from gemma4_conformance.adapters import declared_formats, load, numpy_backend
 from gemma4_conformance.composition.graph import composed
+from gemma4_conformance.report.data import trace_entry
 from gemma4_conformance.properties.trace import (
     FAILED,
     INPUTS_NOT_TRACED,
@@ -130,6 +131,8 @@ def test_a_declared_activation_rounding_is_judged_by_its_term_and_an_undeclared_
     assert products and {n.node for n in given.nodes if n.formats} == products
     assert {n.given for n in given.nodes if n.node in products} == {"given its declared formats: activations q8_0"}
     assert given.summary().endswith("given its declared formats: activations q8_0"), given.summary()
+    reported = {n["node"]: n["given"] for n in trace_entry(DECLARED.name, dtype, given)["nodes"]}
+    assert {node for node, text in reported.items() if text} == products
     undeclared = judge_trace(trace, weights.config, weights, tokens, dtype)
     departure = undeclared.first_departure
     assert departure is not None and (departure.node, departure.op) == ("layers.0.q_proj", "linear"), \
