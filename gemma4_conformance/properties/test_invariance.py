@@ -5,7 +5,8 @@ hold; one it does not claim is measured and reported only.
 
 On the serving test's checkpoint and schedules (test_serving.py): a small fixed schedule in each dtype
 (invariance.fixed), then drawn schedules in the first dtype tested, as the serving test does (a
-sixteenth of the profile's examples: each schedule plays the model several times over).
+sixteenth of the profile's examples: each schedule plays the model several times over), unless the
+relation is unclaimed and the fixed schedule already varies.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def test_invariance(request, backend, adapter, invariance_dtype, invariance, doc
     else:
         one(normalize(fixed(documents.window), documents.window))
         tested = [d for d in SERVING_DTYPES if d in adapter.dtypes and d in request.config.conformance_dtypes]
-        if dtype == tested[0]:
+        # Drawn schedules search for a schedule that breaks the relation: one the adapter does not claim,
+        # seen to vary already, is settled (it varies, and never fails the run), so its plays go elsewhere.
+        if dtype == tested[0] and record.outcome != "varies":
             @settings(max_examples=max(1, settings.default.max_examples // (2 * EXAMPLES_SHARE)))
             @given(schedules(documents.window))
             def drawn(schedule):
