@@ -464,14 +464,14 @@ def activation_rounding(x, name: str) -> np.ndarray:
     """Per element, a bound on |x - x^| for x rounded to the activation blocks ``name`` along its last
     axis (a last, partial block as if padded with zeros), d = a / 127 for a = max |x| over the block:
 
-        |x - x^| <= (3 u + u^2) |x| + d (1 + v) / 2 + e min(127, |x| (1 + u)^2 / (d (1 - v)) + 1 / 2),
+        |x - x^| <= ((1 + u)^3 - 1) |x| + d (1 + v) / 2 + e min(127, |x| (1 + u)^3 / (d (1 - v)) + 1 / 2),
 
     u float32's unit roundoff, v = 2 u + u^2.  llama.cpp (``quantize_row_q8_0``, ``quantize_row_q8_K``)
-    takes x in float32 (u |x| for a float64 x, and its a within u), forms the scale d' (within v d of d:
-    one more rounding) and its inverse in float32, and q = round(t), t = fl(x * inverse):
+    takes x in float32 (a factor within u of 1 for a float64 x, and its a within u), forms the scale d'
+    (within v d of d: one more rounding) and its inverse in float32, and q = round(t), t = fl(x * inverse):
     x - d^ q = (x - d' t) + d' (t - q) + (d' - d^) q, d^ the stored scale.  x - d' t is at most
-    (2 u + u^2) |x| (the inverse and the product round once each), t - q at most 1/2, |q| <= |t| + 1/2
-    and at most 127, and d' - d^ is e: half an fp16 ULP at d (1 + v) for ``q8_0``, 0 for ``q8_k``
+    ((1 + u)^3 - 1) |x| (x to float32, then the inverse and the product round once each), t - q at
+    most 1/2, |q| <= |t| + 1/2 and at most 127, and d' - d^ is e: half an fp16 ULP at d (1 + v) for ``q8_0``, 0 for ``q8_k``
     (whose scale stays float32; its sign follows the block's extreme value, which changes nothing
     here).  A block of zeros is exact; an fp16 scale past 65504 is inf: no bound."""
     block, stored = ACTIVATION_BLOCKS[name]
@@ -484,8 +484,8 @@ def activation_rounding(x, name: str) -> np.ndarray:
     u = U32
     v = 2 * u + u * u
     e = np.zeros_like(d) if stored is None else scale_ulp(d * (1 + v), stored) / 2
-    q = np.where(d > 0, np.minimum(127.0, x * (1 + u) ** 2 / (np.where(d > 0, d, 1.0) * (1 - v)) + 0.5), 0.0)
-    bound = (3 * u + u * u) * x + d * (1 + v) / 2 + e * q
+    q = np.where(d > 0, np.minimum(127.0, x * (1 + u) ** 3 / (np.where(d > 0, d, 1.0) * (1 - v)) + 0.5), 0.0)
+    bound = ((1 + u) ** 3 - 1) * x + d * (1 + v) / 2 + e * q
     if stored is not None:
         bound = np.where(d * (1 + v) > format_of(stored).max_finite, np.inf, bound)
     return bound
