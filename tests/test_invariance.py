@@ -26,6 +26,7 @@ from gemma4_conformance.properties.invariance import (
     fixed,
 )
 from gemma4_conformance.report import data, html
+from gemma4_conformance.properties import serving
 from gemma4_conformance.properties.serving import Documents, play
 from gemma4_conformance.report.record import Recorder, invariance_lines
 from gemma4_conformance.spec.model import nodes
@@ -132,6 +133,34 @@ def test_a_difference_is_located_at_the_first_node_where_the_traces_part(documen
     untraced = SimpleNamespace(name=mutant.name, session=lambda *a, **k: Untraced(mutant.session(*a, **k)))
     [found] = check("batch", untraced, schedule, documents, "float32", Plays(), locate=True).differences
     assert (found.sequence, found.node) == (1, "")
+
+
+def test_a_schedule_played_traced_from_the_start_is_located_without_replaying(documents, monkeypatch):
+    """Where a traced step is the plain step (the composed session's), a check played traced from the start
+    (the fixed schedule's) names the same node as one that replays both sides traced, and plays no more
+    than a check that locates nothing.  An engine's session that does not say its traced steps are plain is
+    played plain, and replayed to locate."""
+    opened = []
+    open_session = serving.open_session
+    monkeypatch.setattr(serving, "open_session", lambda *a, **k: opened.append(a) or open_session(*a, **k))
+    mutant, schedule = ADAPTERS.decode_kernel_in_a_mixed_step, fixed(documents.window)
+
+    class Engine:  # an engine's own session with traced_step, which does not say it is the plain step
+        def __init__(self, session):
+            self.step, self.release, self.traced_step = session.step, session.release, session.traced_step
+
+    engine = SimpleNamespace(name=mutant.name, session=lambda *a, **k: Engine(mutant.session(*a, **k)))
+    ways = {"plain": {}, "located": {"locate": True}, "traced": {"locate": True, "traced": True}}
+    plays = {}
+    for adapter in (mutant, engine):
+        for way, options in ways.items():
+            opened.clear()
+            verdict = check("batch", adapter, schedule, documents, "float32", Plays(), **options)
+            plays[adapter is engine, way] = len(opened), [(d.sequence, d.node) for d in verdict.differences]
+    located = [(1, "layers.0.attention")]
+    assert plays[False, "traced"] == (plays[False, "plain"][0], located)
+    assert plays[False, "located"] == (plays[False, "plain"][0] + 2, located)
+    assert plays[True, "traced"] == plays[True, "located"] == (plays[True, "plain"][0] + 2, located)
 
 
 def test_each_mutant_breaks_only_under_a_claim():

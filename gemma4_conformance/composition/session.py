@@ -203,6 +203,9 @@ class Session:
     """The serving contract for an adapter's ops: ``step``, ``release``, ``close`` (module docstring)."""
 
     Cache = KVCache
+    # traced_step is step with an observer on the same ops: the same logits, bit for bit, at the same cost
+    # (so the invariance check may play traced from the start instead of replaying to locate).
+    traced_steps_are_plain = True
 
     def __init__(self, adapter, weights: Mapping, config, dtype: str):
         self.config = config if isinstance(config, TextConfig) else TextConfig.from_dict(config)

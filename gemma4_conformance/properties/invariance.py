@@ -134,70 +134,93 @@ class Plays:
     """Plays shared by the relations, per adapter, dtype, schedule and tokens: the run relation's first play
     of a schedule is the batch relation's play beside the partners, and the batch relation's first
     sequence alone is the chunk relation's play in the drawn chunks.  The run
-    relation's second play is always a fresh one."""
+    relation's second play is always a fresh one.  A play asked ``traced`` the first time it is made is
+    traced from the start where the session's traced steps are its plain ones (``serving.play``'s
+    ``plain_only``): a difference in it is then located without replaying it."""
 
     def __init__(self):
-        self.rows: dict[tuple, list[np.ndarray]] = {}
+        self.plays: dict[tuple, tuple[list[np.ndarray], list[dict] | None]] = {}
 
-    def __call__(self, adapter, schedule: dict, tokens: list[np.ndarray], documents: Documents, dtype: str):
+    def __call__(self, adapter, schedule: dict, tokens: list[np.ndarray], documents: Documents, dtype: str,
+                 traced: bool = False) -> tuple[list[np.ndarray], list[dict] | None]:
+        """Per sequence its rows, and its trace (None when the play is not traced)."""
         key = (adapter.name, dtype, case_json(schedule), b"".join(t.tobytes() for t in tokens))
-        if key not in self.rows:
-            self.rows[key] = play(adapter, schedule, tokens, documents, dtype)[0]
-        return self.rows[key]
+        if key not in self.plays:
+            rows, _, _, traces = play(adapter, schedule, tokens, documents, dtype, trace=traced, plain_only=True)
+            self.plays[key] = rows, traces
+        return self.plays[key]
 
 
 def check(relation: str, adapter, schedule: dict, documents: Documents, dtype: str, plays: Plays,
-          locate: bool = False) -> Verdict:
+          locate: bool = False, traced: bool = False) -> Verdict:
     """Play what ``relation`` compares for ``schedule`` (through ``plays``) and compare it bitwise; with
-    ``locate``, find where each difference begins (``first_node``)."""
+    ``locate``, find where each difference begins (``first_node``), and with ``traced`` too, play traced from
+    the start where that gives the plain rows, so that locating replays nothing (for the schedule most
+    likely to differ: a difference found costs no more plays, none found costs the traces' memory)."""
     sequences = schedule["sequences"]
     tokens = [documents.of(k, s) for k, s in enumerate(sequences)]
-    # Per pair: the sequence, its rows in two plays, what was compared, and each play as (schedule, tokens, index).
+    traced = traced and locate
+
+    def shared(schedule, tokens):
+        return plays(adapter, schedule, tokens, documents, dtype, traced)
+
+    # Per pair: the sequence, its rows in two plays, what was compared, and each play as a side
+    # (schedule, tokens, index, its traces or None).
     if relation == "run":
-        again = play(adapter, schedule, tokens, documents, dtype)[0]
-        pairs = [(k, again[k], rows, "the second play against the first", ((schedule, tokens, k),) * 2)
-                 for k, rows in enumerate(plays(adapter, schedule, tokens, documents, dtype))]
+        again, _, _, again_traces = play(adapter, schedule, tokens, documents, dtype, trace=traced, plain_only=True)
+        first, first_traces = shared(schedule, tokens)
+        pairs = [(k, again[k], rows, "the second play against the first",
+                  ((schedule, tokens, k, again_traces), (schedule, tokens, k, first_traces)))
+                 for k, rows in enumerate(first)]
     elif relation == "batch":  # every sequence, each alone in a play of its own
-        together = plays(adapter, schedule, tokens, documents, dtype)
-        alone = [(_alone(s, s["chunks"]), tokens[k:k + 1], 0) for k, s in enumerate(sequences)]
-        pairs = [(k, together[k], plays(adapter, *alone[k][:2], documents, dtype)[0],
-                  "beside its partners against alone", ((schedule, tokens, k), alone[k]))
-                 for k in range(len(sequences))]
+        together, together_traces = shared(schedule, tokens)
+        pairs = []
+        for k, s in enumerate(sequences):
+            alone = _alone(s, s["chunks"])
+            rows, traces = shared(alone, tokens[k:k + 1])
+            pairs.append((k, together[k], rows[0], "beside its partners against alone",
+                          ((schedule, tokens, k, together_traces), (alone, tokens[k:k + 1], 0, traces))))
     else:  # chunk: the first sequence, alone, its prompt in one call, in its drawn chunks, token by token
         s = sequences[0]
         prompt = sum(s["chunks"])
-        whole = (_alone(s, [prompt]), tokens[:1], 0)
+        whole = _alone(s, [prompt])
         ways = {"token by token": _alone(s, [1] * prompt)}
         if s["chunks"] != [prompt]:
             ways[f"in chunks {s['chunks']}"] = _alone(s, s["chunks"])
-        one_call = plays(adapter, *whole[:2], documents, dtype)[0]
-        pairs = [(0, plays(adapter, alone, tokens[:1], documents, dtype)[0], one_call, f"{way} against one call",
-                  ((alone, tokens[:1], 0), whole)) for way, alone in ways.items()]
+        one_call, one_call_traces = shared(whole, tokens[:1])
+        pairs = []
+        for way, alone in ways.items():
+            rows, traces = shared(alone, tokens[:1])
+            pairs.append((0, rows[0], one_call[0], f"{way} against one call",
+                          ((alone, tokens[:1], 0, traces), (whole, tokens[:1], 0, one_call_traces))))
     differences = []
-    traced: dict[tuple, list | None] = {}  # the traced plays of this check, so that a play shared by pairs runs once
+    replayed: dict[tuple, list | None] = {}  # the traced replays of this check, so that a play shared by pairs runs once
     for k, rows, reference, against, sides in pairs:
         found = compare(rows, reference, dtype, k, against)
         if found is not None:
             found.schedule = schedule
             if locate:
-                found.node, found.node_rows = first_node(adapter, documents, dtype, sides, traced)
+                found.node, found.node_rows = first_node(adapter, documents, dtype, sides, replayed)
             differences.append(found)
     return Verdict(sum(len(rows) for _, rows, _, _, _ in pairs), differences)
 
 
-def first_node(adapter, documents: Documents, dtype: str, sides, traced: dict) -> tuple[str, int]:
-    """Replay both sides of a difference with traces and compare them node by node, in the graph's order:
-    the first node where the sequence's rows differ and how many do, as a trace's first departing node is
-    found.  ("", 0) when the session gives no trace (``traced_step``) or the traced plays agree (run
-    variance need not recur).  ``traced``: the traced plays so far, by side, schedule and tokens."""
+def first_node(adapter, documents: Documents, dtype: str, sides, replayed: dict) -> tuple[str, int]:
+    """Compare both sides of a difference node by node, in the graph's order: the first node where the
+    sequence's rows differ and how many do, as a trace's first departing node is found.  A side played
+    without its trace is replayed with one (``replayed``: those so far, by side, schedule and tokens).
+    ("", 0) when the session gives no trace (``traced_step``) or the traced plays agree (run variance
+    need not recur)."""
     both = []
-    for side, (schedule, tokens, index) in enumerate(sides):
-        key = (side, case_json(schedule), b"".join(t.tobytes() for t in tokens))
-        if key not in traced:
-            traced[key] = play(adapter, schedule, tokens, documents, dtype, trace=True)[3]
-        if traced[key] is None:
+    for side, (schedule, tokens, index, traces) in enumerate(sides):
+        if traces is None:
+            key = (side, case_json(schedule), b"".join(t.tobytes() for t in tokens))
+            if key not in replayed:
+                replayed[key] = play(adapter, schedule, tokens, documents, dtype, trace=True)[3]
+            traces = replayed[key]
+        if traces is None:
             return "", 0
-        both.append(traced[key][index])
+        both.append(traces[index])
     a, b = both
     for node in nodes(documents.config):
         found = compare(a[node], b[node], dtype, 0, "") if node in a and node in b else None

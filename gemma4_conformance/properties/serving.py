@@ -218,16 +218,20 @@ class Run:
     steps: int
 
 
-def play(adapter, schedule: dict, tokens: list[np.ndarray], documents: Documents, dtype: str, trace: bool = False):
+def play(adapter, schedule: dict, tokens: list[np.ndarray], documents: Documents, dtype: str, trace: bool = False,
+         plain_only: bool = False):
     """Play ``schedule`` on a fresh session, sequence k appending ``tokens[k]``: per sequence its rows
     in order, whether each came from a decode step, the steps taken, and (with ``trace``, where the
-    session has ``traced_step``; else None) per sequence its trace: node -> its rows of every step, in order."""
+    session has ``traced_step``; else None) per sequence its trace: node -> its rows of every step, in order.
+    With ``plain_only`` too, only where the session's traced steps are its plain ones
+    (``traced_steps_are_plain``), so that the rows stand for a plain play's."""
     vocab = documents.config.vocab_size
     pieces: list[list] = [[] for _ in schedule["sequences"]]
     decoded: list[list] = [[] for _ in schedule["sequences"]]
     plan = steps(schedule)
     session = open_session(adapter, documents.weights, documents.config.raw, dtype, documents.checkpoint)
-    traced = trace and hasattr(session, "traced_step")
+    traced = trace and hasattr(session, "traced_step") and (
+        not plain_only or getattr(session, "traced_steps_are_plain", False))
     traces: list[dict] = [{} for _ in schedule["sequences"]]
     for t, (batch, released) in enumerate(plan):
         given = {seq: tokens[p.sequence][p.start:p.start + p.n] for seq, p in batch.items()}
