@@ -17,8 +17,8 @@ import ml_dtypes
 import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend as reference
+from gemma4_conformance.checkpoints.quantized import rounded_activations
 from gemma4_conformance.spec import CONTRACT, format_of
-from tests.quantized_engines import rounded_to_q8_0
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -252,7 +252,7 @@ def linear_bf16_accumulation(W, x):
 def linear_activations_in_q8_0_undeclared(W, x):
     """llama.cpp's CPU path without its declaration: x rounded to q8_0 blocks before the product
     (tests/quantized_engines.py; declared, the same engine is conformant)."""
-    return reference.linear(W, rounded_to_q8_0(x))
+    return reference.linear(W, rounded_activations(x, "q8_0"))
 
 
 def gate_up_gate_and_up_swapped(Wg, Wu, x):

@@ -13,29 +13,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
+from gemma4_conformance.adapters import declared_formats
+from gemma4_conformance.checkpoints import checkpoint, generate
+from gemma4_conformance.checkpoints.quantized import rounded_activations
+from gemma4_conformance.composition.graph import composed
 from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties import error_models
+from gemma4_conformance.properties.forward import baseline_ops, drawn_tokens, judge_forward, local_errors, reference
 from gemma4_conformance.properties.judging import BeyondDeclared, assess, judge
-from tests.quantized_engines import DECLARED, UNDECLARED, rounded_to_q8_0
+from tests.quantized_engines import DECLARED, UNDECLARED
 from tests.test_plugin import suite
 
 TIGHT = 4  # the derived bound may be at most this many times the exact error on the worst draw
 
 
-def rounded_to_q8_k(x: np.ndarray) -> np.ndarray:
-    """llama.cpp's ``quantize_row_q8_K_ref`` and its dequantization, in float32 as it computes: per block
-    of 256, iscale = -127 / the signed extreme, q = nearest_int(iscale * x) capped at 127, d = 1 / iscale."""
-    x = np.asarray(x, dtype=np.float32)
-    blocks = x.reshape(-1, 256)
-    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)
-    nonzero = extreme != 0
-    iscale = np.where(nonzero, np.float32(-127) / np.where(nonzero, extreme, np.float32(1)), np.float32(0))
-    q = np.minimum(np.rint(iscale * blocks), 127)
-    d = np.where(nonzero, np.float32(1) / np.where(nonzero, iscale, np.float32(1)), np.float32(0))
-    return (d.astype(np.float64) * q).reshape(x.shape)
-
-
-ROUNDERS = {"q8_0": (32, rounded_to_q8_0), "q8_k": (256, rounded_to_q8_k)}
+BLOCKS = {"q8_0": 32, "q8_k": 256}
 
 
 @st.composite
@@ -63,7 +55,11 @@ def worst_blocks(draw, block: int):
 def test_the_activation_term_holds_and_is_within_4_times_the_worst_error(name):
     """sum_k W_k (x_k - x^_k) with W_k signed as x_k - x^_k, the error's largest arrangement: exact (in
     rationals) within the term of one linear output, and on the worst draw the term at most 4 times it."""
-    block, rounded = ROUNDERS[name]
+    block = BLOCKS[name]
+
+    def rounded(x):
+        return rounded_activations(x, name)
+
     ratios = []
 
     @settings(max_examples=150, deadline=None, derandomize=True, database=None,
@@ -145,3 +141,29 @@ def test_the_run_reads_conformant_given_its_declared_formats(tmp_path):
                              "-k", "test_matches_oracle")
     assert status == EXIT_NOT_CONFORMANT, out
     assert "declared formats" not in out and doc["results"][0]["formats"] == {}
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    path = generate.write_checkpoint(tmp_path_factory.mktemp("small"), generate.small_config(), seed=0)
+    weights = checkpoint.load(path)
+    tokens = drawn_tokens(weights.config.vocab_size, 24, 0)
+    return weights, tokens, reference(weights.config, weights, tokens, certify=False)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_forward_is_judged_against_a_baseline_that_rounds_as_the_engine_declares(small_model, dtype):
+    """The forward's verdict is relative to a plain baseline: for an engine that declares its activations
+    q8_0, the baseline rounds them so too (forward.baseline_ops), and the engine's forward passes; the same
+    engine undeclared is judged against the plain baseline, which rounds nothing, and fails by the rounding
+    (in float32 and float16, where it is far above the dtype's own)."""
+    weights, tokens, ref = small_model
+    failures = {}
+    for engine in (DECLARED, UNDECLARED):
+        candidate = composed(engine, weights.config, weights, tokens, dtype)
+        plain = baseline_ops(declared_formats(engine))
+        baseline = composed(plain, weights.config, weights, tokens, dtype)
+        local = local_errors(candidate, weights.config, weights, tokens, dtype, plain)
+        failures[engine.name] = judge_forward(candidate, baseline, ref, dtype, local).failures
+    assert failures[DECLARED.name] == []
+    assert any("own errors" in f for f in failures[UNDECLARED.name]), failures[UNDECLARED.name]

@@ -20,6 +20,7 @@ import pytest
 from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.adapters.llama_cpp_backend import GraphTensor, TraceCollector, convert, declared_activations
 from gemma4_conformance.checkpoints import checkpoint, generate
+from gemma4_conformance.checkpoints.quantized import rounded_activations
 from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec.model import forward, nodes
 
@@ -384,45 +385,20 @@ def test_real_traced_session_steps_are_its_plain_steps(engine, small):
             np.testing.assert_array_equal(traces[seq]["logits"], logits[seq])
 
 
-def _rounded_to_q8_0(x: np.ndarray) -> np.ndarray:
-    """``x`` (float32 ``[T, K]``) as ggml-cpu's AVX2 ``quantize_row_q8_0`` rounds it before a product with q8_0
-    weights, exactly: per block of 32, d = amax / 127 stored in fp16 and q = round(x * (127 / amax)), ties to
-    even."""
-    blocks = x.reshape(-1, 32)
-    amax = np.abs(blocks).max(axis=1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inverse = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
-    q = np.rint(blocks * inverse)
-    d = (amax / np.float32(127)).astype(np.float16).astype(np.float64)
-    return (d * q).reshape(x.shape)
-
-
-def _rounded_to_q8_K(x: np.ndarray) -> np.ndarray:
-    """``x`` as ggml's ``quantize_row_q8_K`` rounds it before a product with k-quant weights, exactly: per block
-    of 256, the value of largest magnitude m, iscale = -127 / m (float32), q = round(iscale * x) (at most 127),
-    d = 1 / iscale in float32."""
-    blocks = x.reshape(-1, 256)
-    m = blocks[np.arange(len(blocks)), np.argmax(np.abs(blocks), axis=1)][:, None]
-    with np.errstate(divide="ignore"):
-        iscale = np.where(m == 0, np.float32(0), np.float32(-127) / m).astype(np.float32)
-        d = np.where(m == 0, np.float32(0), np.float32(1) / iscale).astype(np.float64)
-    return (d * np.minimum(np.rint(iscale * blocks), 127)).reshape(x.shape)
-
-
 def _products_of_rounded_inputs(engine, exported, tokens, nodes_rounding):
-    """For each (node, its input node, weight, rounding): whether llama.cpp's node is the exact product of the
+    """For each (node, its input node, weight, activation format): whether llama.cpp's node is the exact product of the
     exported weight with its traced input rounded, and with its input unrounded, within float32's summation
     bound (K u sum|terms|)."""
     weights = checkpoint.load(exported)
     trace = engine.forward(weights, weights.config.raw, tokens, "float32", checkpoint=str(exported))["trace"]
     out = []
-    for node, given, weight, rounding in nodes_rounding:
+    for node, given, weight, rounded_to in nodes_rounding:
         x = trace[f"layers.0.{given}"].reshape(len(tokens), -1)
         got = trace[f"layers.0.{node}"].reshape(len(tokens), -1).astype(np.float64)
         W = np.asarray(weights[f"model.layers.0.{weight}.weight"], np.float64)  # exact
-        bound = W.shape[1] * 2.0**-24 * (np.abs(rounding(x)) @ np.abs(W).T)
+        bound = W.shape[1] * 2.0**-24 * (np.abs(rounded_activations(x, rounded_to)) @ np.abs(W).T)
         out.append((weights.weight_formats[f"model.layers.0.{weight}.weight"],
-                    bool(np.all(np.abs(got - rounding(x) @ W.T) <= bound)),
+                    bool(np.all(np.abs(got - rounded_activations(x, rounded_to) @ W.T) <= bound)),
                     bool(np.all(np.abs(got - x.astype(np.float64) @ W.T) <= bound))))
     return out
 
@@ -438,7 +414,7 @@ def test_real_q8_0_gguf_runs_its_exported_weights_on_inputs_rounded_to_q8_0(engi
     folder, _, tokens, _ = small
     exported = quantize(folder, "q8_0", tmp_path / "q8_0", engine.cache_dir, engine.source)
     assert _products_of_rounded_inputs(engine, exported, tokens, [
-        ("q_proj", "input_layernorm", "self_attn.q_proj", _rounded_to_q8_0)]) == [("q8_0", True, False)]
+        ("q_proj", "input_layernorm", "self_attn.q_proj", "q8_0")]) == [("q8_0", True, False)]
     assert engine.formats == {"activations": "q8_0"}  # what it declares, so that its verdicts hold the term
 
 
@@ -453,8 +429,8 @@ def test_real_q4_k_m_gguf_runs_its_exported_weights_on_inputs_rounded_to_q8_K(en
     exported = quantize(folder, "q4_k_m", tmp_path / "q4_k_m", engine.cache_dir, engine.source)
     tokens = np.random.default_rng(1).integers(0, config["vocab_size"], TOKENS)
     assert _products_of_rounded_inputs(engine, exported, tokens, [
-        ("q_proj", "input_layernorm", "self_attn.q_proj", _rounded_to_q8_K),
-        ("down_proj", "geglu", "mlp.down_proj", _rounded_to_q8_K)]) == [("q4_k", True, False), ("q6_k", True, False)]
+        ("q_proj", "input_layernorm", "self_attn.q_proj", "q8_k"),
+        ("down_proj", "geglu", "mlp.down_proj", "q8_k")]) == [("q4_k", True, False), ("q6_k", True, False)]
     assert engine.formats == {"activations": "q8_k"}
 
 

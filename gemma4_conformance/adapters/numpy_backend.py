@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 
 import numpy as np
 
+from gemma4_conformance.checkpoints.quantized import rounded_activations
 from gemma4_conformance.spec import CONTRACT, format_of
 from gemma4_conformance.spec.exact import one_blas_thread
 
@@ -252,3 +254,29 @@ def decode_gqa(scale, q, k, v):
 @_op
 def sigmoid_gate(o, gate):
     return o * sigmoid.wide(gate)
+
+
+class RoundsActivations:
+    """These ops with the products (``linear``, ``gate_up``, ``lm_head``) on x rounded to the activation
+    format ``activations`` first (``checkpoints.quantized.rounded_activations``), as llama.cpp's CPU path
+    computes them: the plain baseline of a forward whose engine declares that format (properties/forward.py),
+    and an engine that rounds so, declaring it in ``formats`` or not (tests/quantized_engines.py)."""
+
+    dtypes = dtypes
+
+    def __init__(self, activations: str, name: str | None = None, formats: dict[str, str] | None = None):
+        self.activations, self.name = activations, name or f"numpy with activations rounded to {activations}"
+        if formats is not None:
+            self.formats = formats
+
+    def _rounded(self, product):
+        @functools.wraps(product)
+        def run(*args):
+            *head, x = args
+            return product(*head, rounded_activations(x, self.activations))  # in the weights' dtype, the run's
+
+        return run
+
+    def __getattr__(self, attribute):  # the rest is this module's: its ops, device and invariance
+        found = getattr(sys.modules[__name__], attribute)
+        return self._rounded(found) if attribute in ("linear", "gate_up", "lm_head") else found

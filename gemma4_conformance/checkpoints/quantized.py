@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["WeightFormat", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format"]
+__all__ = ["WeightFormat", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format", "ACTIVATION_ROUNDINGS",
+           "rounded_activations"]
 
 QK_K = 256  # values per k-quant super-block
 
@@ -229,3 +230,44 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("q4_k", QK_K, 144, "Q4_K", _q4_k_dequantize, _q4_k_quantize),
     WeightFormat("q6_k", QK_K, 210, "Q6_K", _q6_k_dequantize, _q6_k_quantize),
 )}
+
+
+# ---- activations: x rounded to blocks before a product, as llama.cpp's CPU path does ---------------
+
+def _q8_0_round(rows: np.ndarray) -> np.ndarray:
+    """ggml-cpu's ``quantize_row_q8_0`` (its AVX2 path, which llama.cpp runs here): d = amax / 127 stored in
+    fp16, q = the nearest integer to x (127 / amax) in float32, halves to even."""
+    amax = np.abs(rows).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
+    with np.errstate(over="ignore"):  # a scale past fp16's range is inf, as llama.cpp stores it
+        d = (amax / np.float32(127)).astype(np.float16).astype(np.float64)
+    return d * np.rint(rows * inverse)
+
+
+def _q8_k_round(rows: np.ndarray) -> np.ndarray:
+    """``quantize_row_q8_K``: the block's value of largest magnitude m, iscale = -127 / m and d = 1 / iscale
+    in float32, q = the nearest integer to iscale x (halves to even), at most 127."""
+    m = rows[np.arange(len(rows)), np.argmax(np.abs(rows), axis=1)][:, None]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(m == 0, np.float32(0), np.float32(-127) / m).astype(np.float32)
+        d = np.where(m == 0, np.float32(0), np.float32(1) / iscale).astype(np.float64)
+    return d * np.minimum(np.rint(iscale * rows), 127)
+
+
+# Per activation format: values per block, and the rounding of float32 blocks [n, block] (exact values, float64).
+ACTIVATION_ROUNDINGS: dict[str, tuple[int, Callable[[np.ndarray], np.ndarray]]] = {
+    "q8_0": (32, _q8_0_round), "q8_k": (QK_K, _q8_k_round)}
+
+
+def rounded_activations(x: np.ndarray, name: str) -> np.ndarray:
+    """x rounded to the activation blocks ``name`` along its last axis (a last, partial block padded with
+    zeros), from x in float32, as llama.cpp's CPU path rounds it before a product with quantized weights
+    (tests/test_llama_cpp.py holds it against the engine): the exact values (float64), a scale times an
+    integer each.  The rounding a declared activation format stands for (docs/quantized.md)."""
+    block, rounding = ACTIVATION_ROUNDINGS[name]
+    x = np.asarray(x)
+    K = x.shape[-1]
+    rows = np.zeros((int(np.prod(x.shape[:-1], dtype=np.int64)), -(-K // block) * block), dtype=np.float32)
+    rows[:, :K] = x.reshape(-1, K)
+    return rounding(rows.reshape(-1, block)).reshape(len(rows), -1)[:, :K].reshape(x.shape)

@@ -89,6 +89,15 @@ def reference(config, weights, tokens, certify: bool = True, ops: frozenset[str]
     return result, certificate
 
 
+def baseline_ops(formats: dict[str, str]):
+    """The plain same-dtype baseline's ops for an engine that declares ``formats``: the numpy ops, with
+    its declared activation rounding before each product (a plain engine with those formats: the
+    forward's errors are judged against one that rounds as the engine says it does)."""
+    if "activations" in formats:
+        return numpy_backend.RoundsActivations(formats["activations"])
+    return numpy_backend
+
+
 def check_finite(candidate: dict, ref: dict, where: str) -> None:
     """NaN in the logits or a hidden state where the reference is finite breaks the contract."""
     pairs = [("logits", candidate["logits"], ref["logits"])]
@@ -102,11 +111,11 @@ def check_finite(candidate: dict, ref: dict, where: str) -> None:
                                     f"reference is finite")
 
 
-def local_errors(candidate: dict, config, weights, tokens, dtype: str) -> dict | None:
+def local_errors(candidate: dict, config, weights, tokens, dtype: str, baseline=numpy_backend) -> dict | None:
     """Each layer's and the head's own error, the stream reset to the candidate's at every layer.
 
     Layer i's reference is the graph's layer i in float64 on the candidate's output of layer i - 1,
-    and its baseline the same layer in the plain ``dtype`` ops on that same input; layer 0 starts from
+    and its baseline the same layer in the plain ``dtype`` ops (``baseline``'s) on that same input; layer 0 starts from
     the plain embedding.  The head (final norm and LM head) starts from the candidate's last layer.
     So no error is carried from layer to layer: ``{"layers": [(candidate, baseline)], "logits":
     (candidate, baseline), "logprob_gap": (candidate, baseline)}``, relative errors and largest
@@ -115,7 +124,7 @@ def local_errors(candidate: dict, config, weights, tokens, dtype: str) -> dict |
     hidden = candidate.get("hidden_states")
     if hidden is None:
         return None
-    exact, plain = AdapterOps(numpy_backend, "float64"), AdapterOps(numpy_backend, dtype)
+    exact, plain = AdapterOps(numpy_backend, "float64"), AdapterOps(baseline, dtype)
     tokens = np.asarray(tokens, dtype=np.int64)
     positions = np.arange(len(tokens))
     rows, token_rows = np.unique(tokens, return_inverse=True)

@@ -15,13 +15,12 @@ from functools import cache
 import numpy as np
 from hypothesis import strategies as st
 
-from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.adapters.contract import ContractViolation, check_step
 from gemma4_conformance.composition.graph import composed
 from gemma4_conformance.composition.session import open_session
 from gemma4_conformance.spec import format_of
 
-from .forward import ACCUMULATED, FLOOR, drawn_tokens, judge_forward, reference, relative_error
+from .forward import ACCUMULATED, FLOOR, baseline_ops, drawn_tokens, judge_forward, reference, relative_error
 
 SERVING_DTYPES = ("float32", "bfloat16")
 # A session returns logits only, so a sequence's rows are judged as the forward judges an engine's
@@ -183,8 +182,10 @@ class Documents:
         return result["logits"]
 
     @cache
-    def baseline(self, d: int, dtype: str) -> np.ndarray:
-        return composed(numpy_backend, self.config, self.weights, self.tokens[d], dtype)["logits"]
+    def baseline(self, d: int, dtype: str, activations: str | None = None) -> np.ndarray:
+        """The plain baseline's logits, its products on x rounded to ``activations`` where an engine declares them."""
+        plain = baseline_ops({"activations": activations} if activations else {})
+        return composed(plain, self.config, self.weights, self.tokens[d], dtype)["logits"]
 
     def of(self, k: int, sequence: dict) -> np.ndarray:
         """The tokens sequence k of a schedule appends, in order."""
@@ -317,13 +318,14 @@ def worst_row(rows, baseline, ref, dtype: str, k: int, decoded) -> Position:
     return best
 
 
-def judge(result: Run, schedule: dict, documents: Documents, dtype: str) -> ScheduleVerdict:
+def judge(result: Run, schedule: dict, documents: Documents, dtype: str, formats: dict | None = None) -> ScheduleVerdict:
     """forward.judge_forward on each sequence's rows: against the reference (with the baseline's
-    allowance), and against the session's own one-call prefill."""
+    allowance: the baseline rounds as the engine's declared ``formats`` say), and against the session's own
+    one-call prefill."""
     failures, worst = [], None
     for k, s in enumerate(schedule["sequences"]):
         L, d = length(s), k % DOCUMENTS
-        rows, ref, base = result.stepped[k], documents.reference(d)[:L], documents.baseline(d, dtype)[:L]
+        rows, ref, base = result.stepped[k], documents.reference(d)[:L], documents.baseline(d, dtype, (formats or {}).get("activations"))[:L]
         name = f"sequence {k} (id {s['id']}, {L} tokens, document {d})"
         verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype, accumulated=ACCUMULATED)
         failures += [f"{name} against the reference: {f}" for f in verdict.failures]

@@ -13,13 +13,13 @@ import time
 import numpy as np
 import pytest
 
-from gemma4_conformance.adapters import declared_formats, numpy_backend
+from gemma4_conformance.adapters import declared_formats
 from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.composition.graph import composed, missing_ops
 from gemma4_conformance.report.record import UnsupportedSkip
 
-from .forward import check_finite, drawn_tokens, judge_forward, local_errors, reference, run_seed
+from .forward import baseline_ops, check_finite, drawn_tokens, judge_forward, local_errors, reference, run_seed
 from .judging import rerun_command
 from .recorded import record
 from .trace import completed, judge_trace
@@ -88,8 +88,9 @@ def candidate_run(request, adapter, dtype: str, model, runs) -> dict:
 def test_forward_matches_reference(request, backend, adapter, forward_dtype, model, runs):
     candidate = candidate_run(request, adapter, forward_dtype, model, runs)
     weights, tokens, ref = model
-    baseline = composed(numpy_backend, weights.config, weights, tokens, forward_dtype)
-    local = local_errors(candidate, weights.config, weights, tokens, forward_dtype)
+    plain = baseline_ops(declared_formats(adapter))  # rounding as the engine declares it does
+    baseline = composed(plain, weights.config, weights, tokens, forward_dtype)
+    local = local_errors(candidate, weights.config, weights, tokens, forward_dtype, plain)
     verdict = judge_forward(candidate, baseline, ref, forward_dtype, local)
     # Deterministic (the generated checkpoint and the tokens are seeded), so the test's id reruns it.
     verdict.rerun = rerun_command(request.node, backend, weights=request.config.getoption("--weights"))
@@ -131,16 +132,17 @@ def test_forward_at_the_real_12b_geometry(request, backend, adapter, real_checkp
     weights = checkpoint.load(path)
     tokens = drawn_tokens(weights.config.vocab_size, SLOW_TOKENS, run_seed(request.config))
     dtype = "bfloat16"
+    plain = baseline_ops(declared_formats(adapter))
     stages = {"reference": lambda: reference(weights.config, weights, tokens),
               "backend": lambda: composed(adapter, weights.config, weights, tokens, dtype),
-              "baseline": lambda: composed(numpy_backend, weights.config, weights, tokens, dtype)}
+              "baseline": lambda: composed(plain, weights.config, weights, tokens, dtype)}
     results = {}
     for stage, run in stages.items():
         start = time.perf_counter()
         results[stage] = run()
         timings[stage] = time.perf_counter() - start
     (ref, certificate), candidate, baseline = results["reference"], results["backend"], results["baseline"]
-    verdict = judge_forward(candidate, baseline, ref, dtype, local_errors(candidate, weights.config, weights, tokens, dtype))
+    verdict = judge_forward(candidate, baseline, ref, dtype, local_errors(candidate, weights.config, weights, tokens, dtype, plain))
     verdict.rerun = rerun_command(request.node, backend, weights=given) + " -m slow -s"
     request.config.conformance_recorder.forward[f"{adapter.name} (12B)", dtype] = verdict
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

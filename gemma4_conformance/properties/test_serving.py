@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import currently_in_test_context, given, settings, target
 
-from gemma4_conformance.adapters import numpy_backend
+from gemma4_conformance.adapters import declared_formats, numpy_backend
 from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.checkpoints import checkpoint, generate
 from gemma4_conformance.composition.graph import AdapterOps, missing_ops
@@ -65,7 +65,8 @@ def test_serving_matches_reference(request, backend, adapter, serving_dtype, doc
     def check(schedule):
         command = rerun_command(request.node, backend, schedule)
         try:
-            verdict = judge(run(adapter, schedule, documents, serving_dtype), schedule, documents, serving_dtype)
+            verdict = judge(run(adapter, schedule, documents, serving_dtype), schedule, documents, serving_dtype,
+                            declared_formats(adapter))
         except ContractViolation as e:
             record.fail(schedule, window, str(e), command, broke=True)
             raise ContractViolation(f"{e}\n  schedule: {case_json(schedule)}\n  rerun: {command}") from None
