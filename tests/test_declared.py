@@ -20,7 +20,10 @@ from gemma4_conformance.composition.graph import composed
 from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties import error_models
 from gemma4_conformance.properties.forward import baseline_ops, drawn_tokens, judge_forward, local_errors, reference
+from gemma4_conformance.properties.invariance import fixed
 from gemma4_conformance.properties.judging import BeyondDeclared, assess, judge
+from gemma4_conformance.properties.serving import Documents, normalize, run
+from gemma4_conformance.properties.serving import judge as judge_schedule
 from tests.quantized_engines import DECLARED, UNDECLARED
 from tests.test_plugin import suite
 
@@ -167,3 +170,14 @@ def test_a_forward_is_judged_against_a_baseline_that_rounds_as_the_engine_declar
         failures[engine.name] = judge_forward(candidate, baseline, ref, dtype, local).failures
     assert failures[DECLARED.name] == []
     assert any("own errors" in f for f in failures[UNDECLARED.name]), failures[UNDECLARED.name]
+
+
+def test_a_session_is_judged_against_a_baseline_that_rounds_as_the_engine_declares(tmp_path):
+    """The serving path's verdict has the forward's baseline: DECLARED's session passes a schedule judged with
+    its declared formats and fails it judged without them."""
+    path = generate.write_checkpoint(tmp_path, generate.small_config(), seed=0)
+    documents = Documents(checkpoint.load(path), checkpoint=str(path))
+    schedule = normalize(fixed(documents.window), documents.window)
+    played = run(DECLARED, schedule, documents, "float32")
+    assert judge_schedule(played, schedule, documents, "float32", declared_formats(DECLARED)).failures == []
+    assert judge_schedule(played, schedule, documents, "float32").failures
