@@ -197,9 +197,10 @@ _BLOCK = 1 << 17  # weights per block: a block stays in the cache for all its pr
 
 
 def _products(x, W, signed=False):
-    """|x| @ |W|.T, (1 + |x|) @ (1 + |W|).T and, when ``signed``, x @ W.T, through W in blocks of rows
-    that stay in the cache (whole, each product would first copy all of W).  The second is
-    |x| @ |W|.T + sum_k |x_k| + sum_k |W_nk| + K, the row sums of |W| from the same product."""
+    """|x| @ |W|.T, (1 + |x|) @ (1 + |W|).T and, when ``signed``, x @ W.T, in float64, through W (in its
+    own dtype: widened here) in blocks of rows that stay in the cache (whole, each product would first
+    copy all of W).  The second is |x| @ |W|.T + sum_k |x_k| + sum_k |W_nk| + K, the row sums of |W|
+    from the same product."""
     K = x.shape[-1]
     rows = x.reshape(-1, K)
     magnitude = np.concatenate([np.abs(rows), np.ones((1, K))])  # the last row sums |W|'s rows
@@ -208,11 +209,12 @@ def _products(x, W, signed=False):
     step = max(1, _BLOCK // max(K, 1))
     buffer = np.empty((min(step, W.shape[0]), K))  # one allocation: a fresh one per block costs its page faults
     for start in range(0, W.shape[0], step):
-        block = W[start:start + step]
+        block = buffer[:min(step, W.shape[0] - start)]
+        block[...] = W[start:start + step]
         columns = slice(start, start + len(block))
         if signed:
             np.matmul(rows, block.T, out=logits[:, columns])
-        np.matmul(magnitude, np.abs(block, out=buffer[:len(block)]).T, out=dots[:, columns])
+        np.matmul(magnitude, np.abs(block, out=block).T, out=dots[:, columns])
     dots, sums = dots[:-1], dots[-1]
     flush = dots + magnitude[:-1].sum(axis=-1, keepdims=True) + sums + K
     shape = x.shape[:-1] + (W.shape[0],)

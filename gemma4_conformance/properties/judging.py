@@ -28,9 +28,14 @@ def _flat(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
 
 
-def _widened(args):
-    """Floating arrays in float64 (exact), for the error model's scale."""
-    return tuple(widen(a) for a in args)
+def _widened(args, op: str):
+    """Floating arrays in float64 (exact), for the error model's scale; the weights of a product (W, Wg,
+    Wu) stay as they are: their error models read them a block at a time (``error_models._products``),
+    where a float64 copy of a real-size W would be its size again four times over (470 MB at 15360 x 3840)."""
+    return tuple(a if name in _WEIGHTS else widen(a) for a, name in zip(args, CONTRACT[op].arg_names))
+
+
+_WEIGHTS = frozenset({"W", "Wg", "Wu"})
 
 
 @dataclass
@@ -151,7 +156,7 @@ def _declared_terms(entry, args, dtype, formats: dict[str, str]):
     declared = {key: name for key, name in formats.items() if key in entry.declared}
     if not declared:
         return None
-    wide = _widened(args)
+    wide = tuple(widen(a) for a in args)  # the declared terms' products take W whole
     with np.errstate(invalid="ignore", over="ignore"):  # an unbounded element: inf, or inf times 0
         terms = {key: entry.declared[key](wide, dtype, name) for key, name in declared.items()}
     for key, (grown, term) in terms.items():
@@ -375,7 +380,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
     absolute allowance by the second."""
     op = entry.name
     exact64 = stage.exact64
-    scale, absolute = entry.scale(_widened(args), exact64, dtype)
+    scale, absolute = entry.scale(_widened(args, op), exact64, dtype)
     if declared is not None:
         scale = scale + declared[1].reshape(np.shape(exact64))
         absolute = absolute + declared[2].reshape(np.shape(exact64))
@@ -402,7 +407,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
         undecided_in = ~finite & np.isnan(expected) & ~np.isnan(got64)
         right_inf = np.isinf(got64) & (got64 == expected)
         if entry.overflows is not None:
-            may = np.broadcast_to(entry.overflows(_widened(args), exact64, dtype), got.shape)
+            may = np.broadcast_to(entry.overflows(_widened(args, op), exact64, dtype), got.shape)
             signed = np.isinf(got64) & may & (np.sign(got64) == np.sign(exact64))
             undecided_in |= signed & ~right_inf & (np.abs(exact64) <= stage.rad)
             right_inf |= signed
@@ -465,7 +470,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
     known = {"zeros": zeros, "the sign flipped": flipped}
     tier2 = tier2_admits = None
     if b.tier2 is not None:
-        t_scale, t_absolute = (np.broadcast_to(a, got.shape) for a in entry.tier2(_widened(args), exact64, dtype))
+        t_scale, t_absolute = (np.broadcast_to(a, got.shape) for a in entry.tier2(_widened(args, op), exact64, dtype))
         t_unit = scale_ulp(t_scale, dtype)
         judged = t_scale > 0  # rows with nothing visible: tier 1 holds them to exactly 0
 
