@@ -20,8 +20,9 @@ from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties import error_models
 from gemma4_conformance.properties.judging import BeyondDeclared, assess, judge
 from gemma4_conformance.properties.strategies import _attention_case, _desc
-from tests.quantized_engines import (ATTENTION, DECLARED, KV_DECLARED, KV_E5M2, KV_UNDECLARED, UNDECLARED, KvCacheInFp8,
-                                     read_from_fp8, rounded_to_q8_0, stored_in_fp8)
+from tests.mutants import ADAPTERS
+from tests.quantized_engines import (ATTENTION, DECLARED, KV_DECLARED, KV_E5M2, KV_UNDECLARED, UNDECLARED, read_from_fp8,
+                                     rounded_to_q8_0, stored_in_fp8)
 from tests.test_plugin import suite
 
 TIGHT = 4  # the derived bound may be at most this many times the exact error on the worst draw
@@ -247,9 +248,7 @@ def test_a_kv_cache_in_fp8_passes_declared_and_fails_undeclared(op, dtype):
 
 
 def test_a_kv_cache_read_without_its_scale_fails_though_declared():
-    dropped = KvCacheInFp8("numpy-kv-fp8_e4m3-scale-dropped", "fp8_e4m3@1.5:0.75", declare=True,
-                           read=lambda stored, scale, dtype: stored.astype(dtype))
-    verdict = judge(dropped, "causal_gqa", kv_case("causal_gqa"), "float32")
+    verdict = judge(ADAPTERS.causal_gqa_fp8_cache_read_without_its_scale, "causal_gqa", kv_case("causal_gqa"), "float32")
     assert not verdict.passed and verdict.formats == {"kv_cache": "fp8_e4m3@1.5:0.75"}
 
 
