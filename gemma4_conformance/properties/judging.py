@@ -141,8 +141,8 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
 
 
 class BeyondDeclared(Exception):
-    """Inputs that a declared format cannot hold (a block scale past fp16's range): its term has no
-    bound there, and the example is outside what the declaration covers."""
+    """Inputs that a declared format cannot hold (a block scale past fp16's range, a KV cache value past
+    fp8's): its term has no bound there, and the example is outside what the declaration covers."""
 
 
 def _declared_terms(entry, args, dtype, formats: dict[str, str]):
