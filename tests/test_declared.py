@@ -228,6 +228,24 @@ def test_the_kv_cache_term_holds_and_is_within_4_times_the_worst_error(name, val
     assert max(ratios) * TIGHT >= 1, f"the term is {1 / max(ratios):.3g} times the worst error found"
 
 
+@pytest.mark.parametrize("name, scale", [("fp8_e4m3", 1.0), ("fp8_e4m3", 0.3), ("fp8_e5m2", 7.0)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kv_cache_rounding_bounds_each_value_nearly_and_nothing_past_the_format(name, scale, dtype):
+    """Values of every binade the format holds, subnormals included, stored and read back: each within its
+    bound, the largest at more than half of it; past the largest value plus half its spacing, no bound."""
+    _, emin, largest = error_models.KV_CACHE_FORMATS[name]
+    rng = np.random.default_rng(0)
+    t = 2.0 ** rng.uniform(emin - 4, math.log2(largest), 20000) * rng.choice([-1, 1], 20000)
+    x = (t * scale).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+    error = np.abs(x.astype(np.float64) - read_from_fp8(stored_in_fp8(x, name, scale), scale, x.dtype).astype(np.float64))
+    bound = error_models.kv_cache_rounding(x, name, scale, dtype)
+    assert (error <= bound).all() and (error / bound).max() > 0.5
+    assert (error_models.kv_cache_rounding(np.zeros(3), name, scale, dtype) == 0).all()
+    edge = largest + 2.0 ** (math.floor(math.log2(largest)) - error_models.KV_CACHE_FORMATS[name][0])
+    assert np.isfinite(error_models.kv_cache_rounding(np.array([0.999 * edge * scale]), name, scale, dtype)).all()
+    assert np.isinf(error_models.kv_cache_rounding(np.array([edge * scale]), name, scale, dtype)).all()
+
+
 def kv_case(op: str, D: int = 64, v: str = "positive", v_log2: float = 0) -> dict:
     """2 kv heads of 4 queries, of dimension ``D``, at scale 1 over 24 keys (a window of 10), q and k of RMS
     2^-1.5 as Gemma's norms give them.  At D = 256 with values of both signs the KV term's worst case
