@@ -20,6 +20,7 @@ from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties import error_models
 from gemma4_conformance.properties.judging import BeyondDeclared, assess, judge
 from gemma4_conformance.properties.strategies import _attention_case, _desc
+from gemma4_conformance.properties.table import build
 from tests.mutants import ADAPTERS
 from tests.quantized_engines import (ATTENTION, DECLARED, KV_DECLARED, KV_E5M2, KV_UNDECLARED, UNDECLARED, read_from_fp8,
                                      rounded_to_q8_0, stored_in_fp8)
@@ -277,3 +278,17 @@ def test_values_past_the_kv_cache_format_are_not_judged():
     with pytest.raises(BeyondDeclared, match="the declared kv_cache format fp8_e4m3@1.5:0.75 cannot hold these"):
         judge(KV_DECLARED, "decode_gqa", case, "float32")
     assert judge(KV_E5M2, "decode_gqa", case, "float32").passed  # e5m2 holds them
+
+
+def test_logits_that_may_move_by_hundreds_are_judged_within_the_values_spread():
+    """Queries of 2^8 per coordinate: the keys' rounding may move a logit by thousands, e^d overflows, and
+    the term is then its caps, the largest rounding of a value plus the values' largest distance from the
+    output (the rounded weights still sum to 1); not an unbounded term taken for values past the format."""
+    case = _attention_case("decode_gqa", 1, 2, 64, 16, lambda shape: _desc(shape, "normal", 8, 41),
+                           _desc([16, 1, 64], "normal", 0, 42), _desc([16, 1, 64], "normal", 0, 43))
+    args = build("decode_gqa", case, "float32")
+    scale, q, k, v = (np.asarray(a, dtype=np.float64) for a in args)
+    term = error_models.decode_gqa_kv_cache((scale, q, k, v), "float32", "fp8_e4m3")[1]
+    f = error_models.kv_cache_rounding(v, "fp8_e4m3", 1.0, "float32")
+    assert np.isfinite(term).all() and (term <= f.max(axis=0) + 2 * np.abs(v).max(axis=0) + 1e-12).all()
+    assert judge(KV_E5M2, "decode_gqa", case, "float32").passed

@@ -538,6 +538,7 @@ def lm_head_declared_activations(args, dtype, name):
 # fp8 formats of a KV cache: (significant bits p, implicit bit included; exponent of the smallest normal;
 # largest finite value).  e4m3 is e4m3fn: no infinity, 448 its largest (vLLM's and the H100's fp8_e4m3).
 KV_CACHE_FORMATS = {"fp8_e4m3": (4, -6, 448.0), "fp8_e5m2": (3, -14, 57344.0)}
+_SPREAD_BLOCK = 1 << 22  # elements of [S, Hkv, G, L, a block of D] the KV term holds at a time: 32 MiB
 
 
 def kv_cache_rounding(x, name: str, scale: float, dtype) -> np.ndarray:
@@ -579,10 +580,12 @@ def _kv_cache_attention(scale, visible, q, k, v, dtype, name):
         o^ - o = sum_l p^_l (v^_l - v_l) + sum_l (p^_l - p_l)(v_l - o)
                = sum_l p^_l (v^_l - v_l) + sum_l p_l (e^(D_l) - 1)(v_l - o) / Z,
 
-    so |o^ - o| <= T = e^(d*) (sum_l p_l e^(d_l) f_l + sum_l p_l (e^(d_l) - 1) |v_l - o|), the term of
-    both tiers: to first order sum_l p_l (f_l + d_l |v_l - o|), which D_l = d_l sign(v_l - o) and
-    v^_l - v_l = f_l reach.  The engine's own roundings are each tier's model at the rounded cache,
-    which grows with p_l, |v_l|, |z_l| and a_l (|scale| sum_e |q_e k_le|): at most p_l e^(d_l + d*),
+    so |o^ - o| <= T = e^(d*) sum_l p_l e^(d_l) f_l + e^(d*) sum_l p_l (e^(d_l) - 1) |v_l - o|, the term
+    of both tiers: to first order sum_l p_l (f_l + d_l |v_l - o|), which D_l = d_l sign(v_l - o) and
+    v^_l - v_l = f_l reach.  The weights p^_l sum to 1, so neither part exceeds its largest value over
+    the visible keys, max f_l and max |v_l - o|: where the logits move by more than a few units, those
+    caps are the bound.  The engine's own roundings are each tier's model at the rounded cache,
+    which grows with p_l, |v_l|, |z_l| and a_l (|scale| sum_e |q_e k_le|): at most min(1, p_l e^(d_l + d*)),
     |v_l| + f_l, |z_l| + d_l + d_max (the largest logit moves by d_max at most) and a_l + d_l.  Each
     tier's model there, minus its model at the exact cache, is its increase: the scale's, and the
     absolute allowance's, added to T.  Values past the format's range: no bound (inf)."""
@@ -595,15 +598,22 @@ def _kv_cache_attention(scale, visible, q, k, v, dtype, name):
         return unbounded, unbounded, unbounded, unbounded
     moved = np.where(mask, abs(scale) * np.einsum("scge,lce->scgl", np.abs(q), e, optimize=True), 0.0)
     mean_moved = np.sum(p * moved, axis=-1, keepdims=True)
-    grows = np.exp(np.minimum(moved, 700))
+    grows = np.exp(np.minimum(moved, 700))  # past e^700 the caps below hold the bound
     o = np.einsum("scgl,lcd->scgd", p, v, optimize=True)
-    spread = np.empty(shape)
-    for d in range(v.shape[-1]):  # |v_l - o| per output feature, one [S, Hkv, G, L] at a time
-        apart = np.abs(np.moveaxis(v[:, :, d], 0, -1)[None, :, None, :] - o[..., d, None])
-        spread[..., d] = np.sum(p * (grows - 1) * apart, axis=-1)
-    values = np.einsum("scgl,lcd->scgd", p * grows, f, optimize=True)
-    term = np.exp(np.minimum(mean_moved, 700)) * (values + spread)
-    at_rounded = (p * grows * np.exp(np.minimum(mean_moved, 700)), np.abs(z) + moved + np.max(moved, axis=-1, keepdims=True),
+    spread, weighted = np.empty(shape), (p * (grows - 1))[..., None]
+    step = max(1, _SPREAD_BLOCK // max(p.size, 1))
+    for d in range(0, v.shape[-1], step):  # sum_l p_l (e^(d_l) - 1) |v_l - o|, output features a block at a time
+        block = np.abs(v[:, :, d:d + step].transpose(1, 0, 2)[None, :, None] - o[..., None, d:d + step])
+        spread[..., d:d + step] = np.sum(weighted * block, axis=-2)
+    highest, lowest, largest_f = (_over_visible(reduce, visible, x) for reduce, x in ((np.max, v), (np.min, v), (np.max, f)))
+    farthest = np.maximum(highest - o, o - lowest)  # max over the visible keys of |v_l - o|
+    with np.errstate(over="ignore"):  # an inf is a bound the caps replace
+        growth = np.exp(np.minimum(mean_moved, 700))
+        values = np.minimum(growth * np.einsum("scgl,lcd->scgd", p * grows, f, optimize=True), largest_f)
+        term = values + np.minimum(growth * spread, farthest)
+    with np.errstate(divide="ignore"):
+        weights = np.exp(np.minimum(np.log(p) + moved + mean_moved, 0.0))
+    at_rounded = (weights, np.abs(z) + moved + np.max(moved, axis=-1, keepdims=True),
                   magnitudes + moved, mask, np.abs(v) + f, visible, dtype)
     at_exact = (p, z, magnitudes, mask, np.abs(v), visible, dtype)
     parts = []
@@ -611,6 +621,12 @@ def _kv_cache_attention(scale, visible, q, k, v, dtype, name):
         (scale_there, absolute_there), (scale_here, absolute_here) = model(*at_rounded), model(*at_exact)
         parts += [np.maximum(scale_there - scale_here, 0.0), term + np.maximum(absolute_there - absolute_here, 0.0)]
     return tuple(parts)
+
+
+def _over_visible(reduce, visible, x):
+    """``reduce`` (np.max, np.min) of x [L, Hkv, D] over each query's visible keys: [S, Hkv, 1, D], 0 for a
+    query that sees none."""
+    return np.stack([reduce(x[row], axis=0) if row.any() else np.zeros(x.shape[1:]) for row in visible])[:, :, None, :]
 
 
 def _per_op_kv_cache(inputs, name):
