@@ -19,6 +19,7 @@ import numpy as np
 from gemma4_conformance.adapters import numpy_backend as reference
 from gemma4_conformance.checkpoints.quantized import rounded_activations
 from gemma4_conformance.spec import CONTRACT, format_of
+from tests.quantized_engines import KV_DECLARED, KvCacheInFp8
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -253,6 +254,17 @@ def linear_activations_in_q8_0_undeclared(W, x):
     """llama.cpp's CPU path without its declaration: x rounded to q8_0 blocks before the product
     (tests/quantized_engines.py; declared, the same engine is conformant)."""
     return reference.linear(W, rounded_activations(x, "q8_0"))
+
+
+causal_gqa_fp8_cache_read_without_its_scale = KvCacheInFp8(
+    "numpy-kv-fp8_e4m3-read-without-scale", KV_DECLARED.formats["kv_cache"], declare=True,
+    read=lambda stored, scale, dtype: stored.astype(dtype)).causal_gqa
+causal_gqa_fp8_cache_read_without_its_scale.__name__ = "causal_gqa_fp8_cache_read_without_its_scale"
+causal_gqa_fp8_cache_read_without_its_scale.__doc__ = (
+    "An fp8 KV cache that stores fp8(x / scale) and reads the fp8 values back without multiplying by the "
+    "scale, declaring fp8_e4m3 with its scales as KV_DECLARED does (tests/quantized_engines.py). A cache "
+    "that drops the scale on both sides is no mutant: in the format's normal range its values are within "
+    "the declared rounding's bound, and with a power-of-two scale the same.")
 
 
 def gate_up_gate_and_up_swapped(Wg, Wu, x):
@@ -521,6 +533,7 @@ MUTANTS = [  # (op, dtype, mutant)
     ("causal_gqa", "float32", causal_gqa_mask_edge_off_by_one),
     ("causal_gqa", "bfloat16", causal_gqa_heads_interleaved),
     ("causal_gqa", "bfloat16", causal_gqa_bf16_value_accumulation),
+    ("causal_gqa", "float32", causal_gqa_fp8_cache_read_without_its_scale),
     ("sliding_gqa", "float32", sliding_gqa_window_edge_off_by_one),
     ("sliding_gqa", "float32", sliding_gqa_heads_interleaved),
     ("decode_gqa", "float32", decode_gqa_heads_interleaved),
@@ -539,4 +552,7 @@ MUTANTS = [  # (op, dtype, mutant)
 ]
 
 # Each mutant as a backend the suite can load: --backend=tests.mutants:ADAPTERS.<mutant name>
-ADAPTERS = SimpleNamespace(**{mutant.__name__: MutantAdapter(op, mutant) for op, _, mutant in MUTANTS})
+# The mutants of engines that declare their formats run on such an engine (its ``formats``).
+DECLARING = {causal_gqa_fp8_cache_read_without_its_scale: KV_DECLARED}
+ADAPTERS = SimpleNamespace(**{mutant.__name__: MutantAdapter(op, mutant, DECLARING.get(mutant, reference))
+                              for op, _, mutant in MUTANTS})

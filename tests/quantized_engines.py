@@ -2,7 +2,9 @@
 products (linear, gate_up, lm_head) computed on x rounded to ``q8_0`` blocks, as llama.cpp's CPU path
 rounds its activations.  ``DECLARED`` says so in its ``formats``; ``UNDECLARED`` is the same engine
 without the declaration, which the suite must fail.  Load one with
---backend=tests.quantized_engines:DECLARED (or :UNDECLARED).
+--backend=tests.quantized_engines:DECLARED (or :UNDECLARED).  Likewise ``KV_DECLARED`` and
+``KV_UNDECLARED``: its attention ops on k and v stored in an fp8 e4m3 KV cache with scales, as vLLM's fp8
+KV cache stores them (``KV_E5M2`` in e5m2).
 
 Also the mistakes an engine's dequantization can make, as edits of a block's bytes that the right
 dequantization then reads wrongly (tests/test_quantized.py, and the forward mutants that read a
@@ -14,6 +16,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from gemma4_conformance.adapters import kv_cache_format
+from gemma4_conformance.adapters import numpy_backend as reference
 from gemma4_conformance.adapters.numpy_backend import RoundsActivations
 from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS
 
@@ -23,6 +27,56 @@ SCALES = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
 
 DECLARED = RoundsActivations("q8_0", "numpy-q8_0-activations", {"activations": "q8_0"})
 UNDECLARED = RoundsActivations("q8_0", "numpy-q8_0-activations-undeclared")
+
+FP8 = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
+ATTENTION = ("causal_gqa", "sliding_gqa", "decode_gqa")
+
+
+def stored_in_fp8(x: np.ndarray, name: str, scale: float) -> np.ndarray:
+    """fp8(x / scale) as a KV cache stores it: x in float32 times the float32 inverse of the scale, rounded
+    to the nearest fp8 value (e4m3fn's NaN and e5m2's inf past their range)."""
+    with np.errstate(over="ignore"):
+        return (np.asarray(x, dtype=np.float32) * (np.float32(1) / np.float32(scale))).astype(FP8[name])
+
+
+def read_from_fp8(stored: np.ndarray, scale: float, dtype) -> np.ndarray:
+    """The cache's values read back: fp8 times the float32 scale, in the dtype the attention computes in."""
+    return (stored.astype(np.float32) * np.float32(scale)).astype(dtype)
+
+
+class KvCacheInFp8:
+    """The numpy reference, its attention ops on k and v stored in an fp8 KV cache with per-tensor scales
+    (``kv_cache``: a declared KV cache format, adapters.kv_cache_format) and read back, as vLLM's
+    ``kv_cache_dtype="fp8_e4m3"`` does; ``formats`` only where ``declare``.  ``read``: how the cache is
+    read back (``read_from_fp8``; the mutation study's mutant drops the scale)."""
+
+    def __init__(self, name: str, kv_cache: str, declare: bool, read=read_from_fp8):
+        self.name, self.dtypes = name, reference.dtypes
+        if declare:
+            self.formats = {"kv_cache": kv_cache}
+        fmt, k_scale, v_scale = kv_cache_format(kv_cache)
+        for op in ATTENTION:
+            setattr(self, op, self._through_cache(getattr(reference, op), fmt, k_scale, v_scale, read))
+
+    @staticmethod
+    def _through_cache(base, fmt, k_scale, v_scale, read):
+        def run(*args):
+            *head, k, v = args
+            return base(*head, read(stored_in_fp8(k, fmt, k_scale), k_scale, k.dtype),
+                        read(stored_in_fp8(v, fmt, v_scale), v_scale, v.dtype))
+
+        run.__name__ = base.__name__
+        return run
+
+    def __getattr__(self, attribute):
+        return getattr(reference, attribute)
+
+
+# Scales that are not powers of two (a power of two's quotient is exact), and that the suite's attention
+# cases fit under (their k and v stay below 448 x 1.5 = 672).
+KV_DECLARED = KvCacheInFp8("numpy-kv-fp8_e4m3", "fp8_e4m3@1.5:0.75", declare=True)
+KV_UNDECLARED = KvCacheInFp8("numpy-kv-fp8_e4m3-undeclared", "fp8_e4m3@1.5:0.75", declare=False)
+KV_E5M2 = KvCacheInFp8("numpy-kv-fp8_e5m2", "fp8_e5m2@1.5:0.75", declare=True)
 
 
 def set_scale(blocks: np.ndarray, at: int, bits: np.ndarray) -> None:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from gemma4_conformance import adapters
@@ -158,14 +159,28 @@ def test_declared_formats_come_from_the_adapter_or_its_options():
 @pytest.mark.parametrize("spec, says", [
     ("numpy[activations=q5_0]", r"has the option activations='q5_0', an unknown activations format; the known "
                                 r"ones are q8_0, q8_k"),
-    ("numpy[kv_cache=fp8_e4m3]", r"has the option kv_cache='fp8_e4m3', an unknown kv_cache format; the known "
-                                 r"ones are none yet"),
+    ("numpy[kv_cache=fp8_e4m2]", r"has the option kv_cache='fp8_e4m2', an unknown kv_cache format; the known "
+                                 r"ones are fp8_e4m3, fp8_e5m2"),
+    ("numpy[kv_cache=fp8_e4m3@0]", r"has the option kv_cache='fp8_e4m3@0': its scales '0' are not positive normal "
+                                   r"float32 numbers"),
+    ("numpy[kv_cache=fp8_e4m3@1e39]", r"has the option kv_cache='fp8_e4m3@1e39': its scales '1e39' are not "
+                                      r"positive normal"),
+    ("numpy[kv_cache=fp8_e4m3@1:2:3]", r"has the option kv_cache='fp8_e4m3@1:2:3': its scales '1:2:3' are not S or "
+                                       r"K:V, positive numbers"),
     ("numpy[weights=int3]", r"has the option weights='int3', an unknown weights format; the known ones are q8_0, "
                             r"q4_0, q4_k, q6_k"),
 ])
 def test_an_unknown_declared_format_is_a_usage_error_naming_the_known_ones(spec, says):
     with pytest.raises(AdapterError, match=rf"backend '{__import__('re').escape(spec)}' {says}"):
         load(spec)
+
+
+def test_a_kv_cache_format_carries_its_scales_rounded_to_float32():
+    assert adapters.kv_cache_format("fp8_e4m3") == ("fp8_e4m3", 1.0, 1.0)  # vLLM's scales where none are given
+    assert adapters.kv_cache_format("fp8_e5m2@0.5") == ("fp8_e5m2", 0.5, 0.5)
+    assert adapters.kv_cache_format("fp8_e4m3@0.1:3") == ("fp8_e4m3", float(np.float32(0.1)), 3.0)
+    declared = load("numpy[kv_cache=fp8_e4m3@0.1:3]")
+    assert adapters.declared_formats(declared) == {"kv_cache": "fp8_e4m3@0.1:3"}
 
 
 def test_declared_formats_are_a_dict_of_known_keys(monkeypatch):

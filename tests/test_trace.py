@@ -23,7 +23,7 @@ from gemma4_conformance.properties.trace import (
     completed,
     judge_trace,
 )
-from tests.quantized_engines import DECLARED
+from tests.quantized_engines import DECLARED, KV_DECLARED
 from tests.trace_engines import WRONG_OPS, OneWrongNode, small_model
 
 
@@ -139,6 +139,23 @@ def test_a_declared_activation_rounding_is_judged_by_its_term_and_an_undeclared_
         undeclared.summary()
     assert not departure.given and {n.op for n in undeclared.nodes if n.outcome == FAILED} <= \
         {"linear", "gate_up", "lm_head"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_declared_kv_cache_in_fp8_is_judged_by_its_term_and_an_undeclared_one_fails(dtype, model):
+    """The engine whose attention reads k and v from an fp8 e4m3 cache with scales (tests/quantized_engines.py)
+    passes every node given its declaration, each attention node informatively, with the KV cache's term;
+    without the declaration it departs at layer 0's attention."""
+    weights, tokens, _ = model
+    trace = trace_of(KV_DECLARED, model, dtype)
+    given = judge_trace(trace, weights.config, weights, tokens, dtype, formats=declared_formats(KV_DECLARED))
+    assert set(outcomes(given).values()) == {PASSED}, given.summary()
+    attention = {n.node for n in given.nodes if n.op in ("causal_gqa", "sliding_gqa")}
+    assert attention and {n.node for n in given.nodes if n.formats} == attention
+    assert all(n.informative for n in given.nodes if n.node in attention)
+    assert given.summary().endswith("given its declared formats: kv_cache fp8_e4m3@1.5:0.75"), given.summary()
+    departure = judge_trace(trace, weights.config, weights, tokens, dtype).first_departure
+    assert departure is not None and departure.node == "layers.0.attention", departure
 
 
 def test_a_node_whose_inputs_its_declared_format_cannot_hold_fails_saying_so():

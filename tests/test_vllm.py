@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gemma4_conformance.adapters import vllm_backend  # noqa: E402
+from gemma4_conformance.adapters import declared_formats, vllm_backend  # noqa: E402
 from gemma4_conformance.checkpoints import generate  # noqa: E402
 from gemma4_conformance.checkpoints.config import TextConfig  # noqa: E402
 from gemma4_conformance.spec.model import nodes  # noqa: E402
@@ -216,6 +216,14 @@ def test_a_quantized_checkpoint_is_refused_before_vllm_loads_it(tmp_path):
     adapter = object.__new__(vllm_backend.Vllm)
     with pytest.raises(ValueError, match="stores matrices as q4_k blocks, which vLLM cannot read"):
         adapter._llm(folder, "float32")
+
+
+def test_an_fp8_kv_cache_is_declared_with_vllms_default_scales():
+    adapter = object.__new__(vllm_backend.Vllm)
+    for kv, declared in (("auto", {}), ("float16", {}), ("fp8", {"kv_cache": "fp8_e4m3"}),
+                         ("fp8_e4m3", {"kv_cache": "fp8_e4m3"}), ("fp8_e5m2", {"kv_cache": "fp8_e5m2"})):
+        adapter.kv = kv
+        assert declared_formats(adapter) == declared, kv
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason=vllm_backend.SETUP["vllm"])

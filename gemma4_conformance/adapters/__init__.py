@@ -12,6 +12,8 @@ import importlib.util
 import inspect
 from importlib.metadata import entry_points
 
+import numpy as np
+
 from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS
 from gemma4_conformance.spec import FORMATS
 
@@ -46,9 +48,10 @@ INVARIANCE = ("run", "batch", "chunk")
 # Where an adapter may round beyond the dtype under test, and in which formats (its ``formats``, or the
 # same keys as options in brackets; docs/quantized.md).  Declared weights are the checkpoint's own
 # (the reference runs on their exact values); an activation format adds its derived term to the
-# budgets of the products (properties/error_models.py, tolerances.yaml).
+# budgets of the products, a KV cache format to the attention ops' (properties/error_models.py,
+# tolerances.yaml).  A KV cache format may carry its per-tensor scales: ``kv_cache_format``.
 DECLARED_FORMATS = {"weights": tuple(WEIGHT_FORMATS), "activations": ("q8_0", "q8_k"),
-                    "kv_cache": ()}  # fp8_e4m3 and fp8_e5m2 with a scale, once their term is derived
+                    "kv_cache": ("fp8_e4m3", "fp8_e5m2")}
 
 
 class AdapterError(Exception):
@@ -169,10 +172,36 @@ def _check_formats(spec: str, formats, how: str) -> None:
         if key not in DECLARED_FORMATS:
             raise AdapterError(f"backend {spec!r} declares formats for {key!r}; the keys are "
                                f"{', '.join(DECLARED_FORMATS)}")
+        if key == "kv_cache" and isinstance(value, str):
+            try:
+                value = kv_cache_format(value)[0]
+            except ValueError as e:
+                raise AdapterError(f"backend {spec!r} {how} kv_cache={formats[key]!r}: {e}") from None
         if value not in DECLARED_FORMATS[key]:
-            known = ", ".join(DECLARED_FORMATS[key]) or "none yet (docs/quantized.md: still to do)"
-            raise AdapterError(f"backend {spec!r} {how} {key}={value!r}, an unknown {key} format; the known "
-                               f"ones are {known}")
+            raise AdapterError(f"backend {spec!r} {how} {key}={formats[key]!r}, an unknown {key} format; the known "
+                               f"ones are {', '.join(DECLARED_FORMATS[key])}")
+
+
+def kv_cache_format(value: str) -> tuple[str, float, float]:
+    """A declared KV cache format -> (format, k's scale, v's scale): ``fp8_e4m3`` (both scales 1.0, as vLLM
+    uses where the checkpoint carries none), ``fp8_e4m3@S`` (both S) or ``fp8_e4m3@K:V``.  The cache stores
+    fp8(x / scale) and reads back fp8 * scale, one scale per tensor (k, v); a scale is rounded to float32,
+    as engines hold it, and must be a positive normal float32."""
+    name, at, scales = value.partition("@")
+    if not at:
+        return name, 1.0, 1.0
+    parts = scales.split(":")
+    try:
+        if len(parts) > 2:
+            raise ValueError
+        with np.errstate(over="ignore"):  # past float32's range: inf, refused below
+            k_scale, v_scale = (float(np.float32(float(part))) for part in (parts * 2)[:2])
+    except ValueError:
+        raise ValueError(f"its scales {scales!r} are not S or K:V, positive numbers") from None
+    tiny = float(np.finfo(np.float32).tiny)
+    if not all(tiny <= s <= float(np.finfo(np.float32).max) for s in (k_scale, v_scale)):
+        raise ValueError(f"its scales {scales!r} are not positive normal float32 numbers")
+    return name, k_scale, v_scale
 
 
 class Declared:

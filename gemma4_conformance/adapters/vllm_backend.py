@@ -92,11 +92,16 @@ BLOCK = 16  # tokens per KV block in the session's engine: prefixes are cached a
 MAX_SEQUENCES = 8  # the serving schedules' most live sequences
 BATCH_TOKENS = 64  # tokens per engine step: prompts longer than what is left of it are chunked
 TEXT_MODEL = "Gemma4ForCausalLM"  # vLLM's Gemma 4 text model, whatever the checkpoint's architectures say
+# vLLM's fp8 KV cache dtypes as the suite declares them (``kv_cache``): "fp8" is e4m3 in vLLM, and the k and v
+# scales are 1.0, vLLM's where the checkpoint carries none (the suite's checkpoints carry none, and vLLM
+# 0.32 no longer computes them from the first batch).
+FP8_KV_CACHES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
 class Vllm:
     """vLLM's offline engine on the checkpoint folder (module docstring). Options: ``kv``, vLLM's
-    ``kv_cache_dtype`` (``auto``: the model dtype); ``max_len``, the longest prompt (default 512)."""
+    ``kv_cache_dtype`` (``auto``: the model dtype; an fp8 one is declared, ``formats``); ``max_len``, the
+    longest prompt (default 512)."""
 
     dtypes = DTYPES
 
@@ -112,6 +117,11 @@ class Vllm:
         self.version = vllm.__version__
         self._engine = None
         self._key = None
+
+    @property
+    def formats(self) -> dict[str, str]:
+        """An fp8 KV cache declared (FP8_KV_CACHES): the attention nodes of its trace are judged with its term."""
+        return {"kv_cache": FP8_KV_CACHES[self.kv]} if self.kv in FP8_KV_CACHES else {}
 
     @property
     def notes(self) -> str:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gemma4_conformance import spec
+from gemma4_conformance.adapters import kv_cache_format
 from gemma4_conformance.spec import format_of, scale_ulp
 from gemma4_conformance.spec.compiled import jit
 
@@ -354,13 +355,19 @@ def _attention(scale, visible, q, k, v, dtype):
     logits' errors meet in each ratio p_l / p_m).  The case strategies keep d_max small, where the
     factor is near 1; beyond it the budget widens as the mathematics says it must.
     """
-    p, z, magnitudes, mask = _logits(scale, visible, q, k)
+    return _plain_model(*_logits(scale, visible, q, k), np.abs(v), visible, dtype)
+
+
+def _plain_model(p, z, magnitudes, mask, magnitude_v, visible, dtype):
+    """_attention from the softmax p, |z|, a_l, the mask [S, Hkv, G, L] and |v| [L, Hkv, D] (or bounds on
+    them: the model grows with each)."""
     weight = np.where(mask, 1 + np.abs(z) + magnitudes, 0.0)
-    pv = np.einsum("scgl,lcd->scgd", p, np.abs(v), optimize=True)
-    pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v), optimize=True)
-    d_max = format_of(dtype).eps * (3 + accumulation_ratio(dtype) * (tau(dtype) + q.shape[-1])) * np.max(weight, axis=-1)
+    pv = np.einsum("scgl,lcd->scgd", p, magnitude_v, optimize=True)
+    pwv = np.einsum("scgl,lcd->scgd", p * weight, magnitude_v, optimize=True)
+    D = magnitude_v.shape[-1]
+    d_max = format_of(dtype).eps * (3 + accumulation_ratio(dtype) * (tau(dtype) + D)) * np.max(weight, axis=-1)
     growth = np.exp(np.minimum(2 * d_max, 700))[..., None]
-    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + np.abs(v), optimize=True)[:, :, None, :]
+    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + magnitude_v, optimize=True)[:, :, None, :]
     first_order = pwv + pv * np.sum(p * weight, axis=-1)[..., None]
     return first_order * growth, np.broadcast_to(flush, pwv.shape)
 
@@ -387,13 +394,17 @@ def _attention_in_accumulation(scale, visible, q, k, v, dtype):
     (sum_l p_l |v_l|)(sum_j p_j w_j)), plus what may flush (as in the plain model).  The budget counts
     the roundings in D: each weight's, relative u_D (1), and the output's (0.5).
     """
-    p, z, magnitudes, mask = _logits(scale, visible, q, k)
-    weight = np.where(mask, (q.shape[-1] + 2) * magnitudes + np.abs(z) + tau(dtype) + 1, 0.0)
-    pv = np.einsum("scgl,lcd->scgd", p, np.abs(v), optimize=True)
-    pwv = np.einsum("scgl,lcd->scgd", p * weight, np.abs(v), optimize=True)
-    L = k.shape[0]
+    return _in_accumulation_model(*_logits(scale, visible, q, k), np.abs(v), visible, dtype)
+
+
+def _in_accumulation_model(p, z, magnitudes, mask, magnitude_v, visible, dtype):
+    """_attention_in_accumulation from the softmax parts and |v|, as _plain_model."""
+    D, L = magnitude_v.shape[-1], magnitude_v.shape[0]
+    weight = np.where(mask, (D + 2) * magnitudes + np.abs(z) + tau(dtype) + 1, 0.0)
+    pv = np.einsum("scgl,lcd->scgd", p, magnitude_v, optimize=True)
+    pwv = np.einsum("scgl,lcd->scgd", p * weight, magnitude_v, optimize=True)
     in_accumulation = pwv + pv * (np.sum(p * weight, axis=-1)[..., None] + L + 2)
-    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + np.abs(v), optimize=True)[:, :, None, :]
+    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + magnitude_v, optimize=True)[:, :, None, :]
     return pv, format_of(ACCUMULATION[dtype]).eps * in_accumulation + flush
 
 
@@ -522,3 +533,111 @@ def lm_head_declared_activations(args, dtype, name):
     nearer = np.maximum(np.abs(logits) - moved, 0.0)
     at_rounded = _capped_scale(mul, cap, abs(mul) * moved, dots + moved, nearer, K, dtype)
     return np.maximum(at_rounded - at_x, 0.0), abs(mul) * moved
+
+
+# ---- A declared KV cache format: what storing k and v in fp8 adds to the attention ops ----------------
+
+# fp8 formats of a KV cache: (significant bits p, implicit bit included; exponent of the smallest normal;
+# largest finite value).  e4m3 is e4m3fn: no infinity, 448 its largest (vLLM's and the H100's fp8_e4m3).
+KV_CACHE_FORMATS = {"fp8_e4m3": (4, -6, 448.0), "fp8_e5m2": (3, -14, 57344.0)}
+_SPREAD_BLOCK = 1 << 22  # elements of [S, Hkv, G, L, a block of D] the KV term holds at a time: 32 MiB
+
+
+def kv_cache_rounding(x, name: str, scale: float, dtype) -> np.ndarray:
+    """Per element, a bound on |x - x^| for x stored as c = fp8(x / scale) and read back as x^ = c * scale
+    rounded to D (the dtype under test), ``scale`` a float32 (adapters.kv_cache_format):
+
+        |x - x^| <= w |x| + scale h(t) + u_D scale (t + h(t)),   t = |x| (1 + w) / scale,
+
+    w = (1 + u)^3 - 1 (u float32's unit roundoff) and h(t) = 2^(max(floor(log2 t), emin) - p), half the
+    fp8 spacing at t: p the format's significant bits, emin its smallest normal exponent (below 2^emin,
+    h is half the subnormal spacing, times the scale).  The engine forms t' = x / scale in float32 (x to
+    float32, the inverse scale and the product round once each: |t' - x / scale| <= w |x| / scale, so
+    |t'| <= t), rounds t' to the nearest fp8 value c (|c - t'| <= h(|t'|) <= h(t), h growing with t) and
+    multiplies back: x - c scale = scale (x / scale - t') + scale (t' - c), and the product c scale rounds
+    once in D (|c| <= t + h(t); exact in float64).  The scale is what the engine holds, the declared
+    number rounded to float32: no rounding of its own.  Where t reaches the format's largest value plus
+    half its spacing there, t' may round past it (e4m3fn's NaN, e5m2's inf, or a saturating engine's
+    largest value): no bound (inf).  A zero is stored exactly."""
+    p, emin, largest = KV_CACHE_FORMATS[name]
+    x = np.abs(np.asarray(x, dtype=np.float64))
+    w = (1 + U32) ** 3 - 1
+    t = x * (1 + w) / scale * (1 + 2.0**-50)  # the float64 quotient rounded up: t stays an upper bound
+    with np.errstate(divide="ignore"):
+        exponent = np.floor(np.log2(np.where(t > 0, t, 1.0)))
+    half = np.where(x > 0, np.exp2(np.maximum(exponent, emin) - p), 0.0)
+    bound = w * x + scale * half + format_of(dtype).eps * scale * (t + half)
+    return np.where(t >= largest + 2.0 ** (math.floor(math.log2(largest)) - p), np.inf, bound)
+
+
+def _kv_cache_attention(scale, visible, q, k, v, dtype, name):
+    """What a KV cache stored in the declared format adds to both tiers: (tier 1's scale increase, its
+    term, tier 2's scale increase, its term).
+
+    With |k_le - k^_le| <= e_le and |v_ld - v^_ld| <= f_ld (kv_cache_rounding), each logit moves by at
+    most d_l = |scale| sum_e |q_e| e_le (0 where masked); let d* = sum_j p_j d_j and d_max = max_l d_l.
+    The rounded logits' weights are p^_l = p_l e^(D_l) / Z, |D_l| <= d_l, Z = sum_j p_j e^(D_j) >= e^(-d*)
+    (Jensen), so p^_l <= p_l e^(d_l + d*).  With o the exact output, sum_l (p^_l - p_l) = 0 gives
+
+        o^ - o = sum_l p^_l (v^_l - v_l) + sum_l (p^_l - p_l)(v_l - o)
+               = sum_l p^_l (v^_l - v_l) + sum_l p_l (e^(D_l) - 1)(v_l - o) / Z,
+
+    so |o^ - o| <= T = e^(d*) sum_l p_l e^(d_l) f_l + e^(d*) sum_l p_l (e^(d_l) - 1) |v_l - o|, the term
+    of both tiers: to first order sum_l p_l (f_l + d_l |v_l - o|), which D_l = d_l sign(v_l - o) and
+    v^_l - v_l = f_l reach.  The weights p^_l sum to 1, so neither part exceeds its largest value over
+    the visible keys, max f_l and max |v_l - o|: where the logits move by more than a few units, those
+    caps are the bound.  The engine's own roundings are each tier's model at the rounded cache,
+    which grows with p_l, |v_l|, |z_l| and a_l (|scale| sum_e |q_e k_le|): at most min(1, p_l e^(d_l + d*)),
+    |v_l| + f_l, |z_l| + d_l + d_max (the largest logit moves by d_max at most) and a_l + d_l.  Each
+    tier's model there, minus its model at the exact cache, is its increase: the scale's, and the
+    absolute allowance's, added to T.  Values past the format's range: no bound (inf)."""
+    fmt, k_scale, v_scale = kv_cache_format(name)
+    e, f = kv_cache_rounding(k, fmt, k_scale, dtype), kv_cache_rounding(v, fmt, v_scale, dtype)
+    p, z, magnitudes, mask = _logits(scale, visible, q, k)
+    shape = p.shape[:-1] + (v.shape[-1],)
+    if not (np.isfinite(e).all() and np.isfinite(f).all()):
+        unbounded = np.full(shape, np.inf)
+        return unbounded, unbounded, unbounded, unbounded
+    moved = np.where(mask, abs(scale) * np.einsum("scge,lce->scgl", np.abs(q), e, optimize=True), 0.0)
+    mean_moved = np.sum(p * moved, axis=-1, keepdims=True)
+    grows = np.exp(np.minimum(moved, 700))  # past e^700 the caps below hold the bound
+    o = np.einsum("scgl,lcd->scgd", p, v, optimize=True)
+    spread, weighted = np.empty(shape), (p * (grows - 1))[..., None]
+    step = max(1, _SPREAD_BLOCK // max(p.size, 1))
+    for d in range(0, v.shape[-1], step):  # sum_l p_l (e^(d_l) - 1) |v_l - o|, output features a block at a time
+        block = np.abs(v[:, :, d:d + step].transpose(1, 0, 2)[None, :, None] - o[..., None, d:d + step])
+        spread[..., d:d + step] = np.sum(weighted * block, axis=-2)
+    highest, lowest, largest_f = (_over_visible(reduce, visible, x) for reduce, x in ((np.max, v), (np.min, v), (np.max, f)))
+    farthest = np.maximum(highest - o, o - lowest)  # max over the visible keys of |v_l - o|
+    with np.errstate(over="ignore"):  # an inf is a bound the caps replace
+        growth = np.exp(np.minimum(mean_moved, 700))
+        values = np.minimum(growth * np.einsum("scgl,lcd->scgd", p * grows, f, optimize=True), largest_f)
+        term = values + np.minimum(growth * spread, farthest)
+    with np.errstate(divide="ignore"):
+        weights = np.exp(np.minimum(np.log(p) + moved + mean_moved, 0.0))
+    at_rounded = (weights, np.abs(z) + moved + np.max(moved, axis=-1, keepdims=True),
+                  magnitudes + moved, mask, np.abs(v) + f, visible, dtype)
+    at_exact = (p, z, magnitudes, mask, np.abs(v), visible, dtype)
+    parts = []
+    for model in (_plain_model, _in_accumulation_model):
+        (scale_there, absolute_there), (scale_here, absolute_here) = model(*at_rounded), model(*at_exact)
+        parts += [np.maximum(scale_there - scale_here, 0.0), term + np.maximum(absolute_there - absolute_here, 0.0)]
+    return tuple(parts)
+
+
+def _over_visible(reduce, visible, x):
+    """``reduce`` (np.max, np.min) of x [L, Hkv, D] over each query's visible keys: [S, Hkv, 1, D], 0 for a
+    query that sees none."""
+    return np.stack([reduce(x[row], axis=0) if row.any() else np.zeros(x.shape[1:]) for row in visible])[:, :, None, :]
+
+
+def _per_op_kv_cache(inputs, name):
+    def declared(args, dtype, format_name):
+        return tuple(inputs.output(part) for part in _kv_cache_attention(*inputs(args), dtype, format_name))
+
+    declared.__name__ = f"{name}_kv_cache"
+    return declared
+
+
+causal_gqa_kv_cache, sliding_gqa_kv_cache, decode_gqa_kv_cache = (
+    _per_op_kv_cache(inputs, name) for inputs, name in _INPUTS)

@@ -146,24 +146,27 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
 
 
 class BeyondDeclared(Exception):
-    """Inputs that a declared format cannot hold (a block scale past fp16's range): its term has no
-    bound there, and the example is outside what the declaration covers."""
+    """Inputs that a declared format cannot hold (a block scale past fp16's range, a KV cache value past
+    fp8's): its term has no bound there, and the example is outside what the declaration covers."""
 
 
 def _declared_terms(entry, args, dtype, formats: dict[str, str]):
-    """(formats, the scale's increase, the terms) summed per output element over the declared roundings
-    ``entry`` has terms for, on the whole output; None where there are none."""
+    """(formats, the scale's increase, the terms, the second tier's scale increase and terms) summed per
+    output element over the declared roundings ``entry`` has terms for, on the whole output; None where
+    there are none.  A term function gives the first two, and the last two where the op has a second
+    tier (they are the first two where it gives none)."""
     declared = {key: name for key, name in formats.items() if key in entry.declared}
     if not declared:
         return None
     wide = tuple(widen(a) for a in args)  # the declared terms' products take W whole
     with np.errstate(invalid="ignore", over="ignore"):  # an unbounded element: inf, or inf times 0
-        terms = {key: entry.declared[key](wide, dtype, name) for key, name in declared.items()}
-    for key, (grown, term) in terms.items():
-        if not (np.isfinite(grown).all() and np.isfinite(term).all()):
-            raise BeyondDeclared(f"the declared {key} format {declared[key]} cannot hold these inputs (a block's "
-                                 f"scale is past its range), so its rounding has no bound here")
-    return declared, sum(grown for grown, _ in terms.values()), sum(term for _, term in terms.values())
+        terms = {key: tuple(entry.declared[key](wide, dtype, name)) for key, name in declared.items()}
+    for key, parts in terms.items():
+        if not all(np.isfinite(part).all() for part in parts):
+            raise BeyondDeclared(f"the declared {key} format {declared[key]} cannot hold these inputs (they are "
+                                 f"past its range, or a block's scale is), so its rounding has no bound here")
+    parts = [parts if len(parts) == 4 else parts * 2 for parts in terms.values()]
+    return (declared, *(sum(part[i] for part in parts) for i in range(4)))
 
 
 def _assess(entry, args, out, dtype, seed, work, first_stage, fallback, declared) -> Verdict:
@@ -376,8 +379,8 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
     absolute allowance folded into the unit (error <= budget * unit).  The error models read the exact
     result only as |exact| in the scale (1-Lipschitz): the unit at the ends of its enclosure bounds the
     ULPs.  An element is undecided where its bounds straddle the budget or a zero scale.  ``declared``:
-    (formats, the scale's increase, the terms) of ``_declared_terms``: the scale grows by the first, the
-    absolute allowance by the second."""
+    ``_declared_terms``'s (formats, the scale's increase, the terms, the second tier's): each tier's scale
+    grows by its increase, its absolute allowance by its terms."""
     op = entry.name
     exact64 = stage.exact64
     scale, absolute = entry.scale(_widened(args, op), exact64, dtype)
@@ -470,7 +473,11 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
     known = {"zeros": zeros, "the sign flipped": flipped}
     tier2 = tier2_admits = None
     if b.tier2 is not None:
-        t_scale, t_absolute = (np.broadcast_to(a, got.shape) for a in entry.tier2(_widened(args, op), exact64, dtype))
+        t_scale, t_absolute = entry.tier2(_widened(args, op), exact64, dtype)
+        if declared is not None:
+            t_scale = t_scale + declared[3].reshape(np.shape(exact64))
+            t_absolute = t_absolute + declared[4].reshape(np.shape(exact64))
+        t_scale, t_absolute = (np.broadcast_to(a, got.shape) for a in (t_scale, t_absolute))
         t_unit = scale_ulp(t_scale, dtype)
         judged = t_scale > 0  # rows with nothing visible: tier 1 holds them to exactly 0
 
