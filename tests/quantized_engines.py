@@ -16,60 +16,28 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from gemma4_conformance.adapters import kv_cache_format
-from gemma4_conformance.adapters import numpy_backend as reference
-from gemma4_conformance.adapters.numpy_backend import RoundsActivations
-from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS
+from gemma4_conformance.adapters.numpy_backend import RoundsAsDeclared
+from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, read_from_fp8
 
 # byte offsets of each format's fp16 scales in a block (d, and dmin in q4_k)
 SCALES = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
 
 
-DECLARED = RoundsActivations("q8_0", "numpy-q8_0-activations", {"activations": "q8_0"})
-UNDECLARED = RoundsActivations("q8_0", "numpy-q8_0-activations-undeclared")
+DECLARED = RoundsAsDeclared({"activations": "q8_0"}, "numpy-q8_0-activations", declare=True)
+UNDECLARED = RoundsAsDeclared({"activations": "q8_0"}, "numpy-q8_0-activations-undeclared")
 
-FP8 = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
-ATTENTION = ("causal_gqa", "sliding_gqa", "decode_gqa")
-
-
-def stored_in_fp8(x: np.ndarray, name: str, scale: float) -> np.ndarray:
-    """fp8(x / scale) as a KV cache stores it: x in float32 times the float32 inverse of the scale, rounded
-    to the nearest fp8 value (e4m3fn's NaN and e5m2's inf past their range)."""
-    with np.errstate(over="ignore"):
-        return (np.asarray(x, dtype=np.float32) * (np.float32(1) / np.float32(scale))).astype(FP8[name])
+ATTENTION = RoundsAsDeclared.ATTENTION
 
 
-def read_from_fp8(stored: np.ndarray, scale: float, dtype) -> np.ndarray:
-    """The cache's values read back: fp8 times the float32 scale, in the dtype the attention computes in."""
-    return (stored.astype(np.float32) * np.float32(scale)).astype(dtype)
-
-
-class KvCacheInFp8:
+class KvCacheInFp8(RoundsAsDeclared):
     """The numpy reference, its attention ops on k and v stored in an fp8 KV cache with per-tensor scales
     (``kv_cache``: a declared KV cache format, adapters.kv_cache_format) and read back, as vLLM's
     ``kv_cache_dtype="fp8_e4m3"`` does; ``formats`` only where ``declare``.  ``read``: how the cache is
     read back (``read_from_fp8``; the mutation study's mutant drops the scale)."""
 
     def __init__(self, name: str, kv_cache: str, declare: bool, read=read_from_fp8):
-        self.name, self.dtypes = name, reference.dtypes
-        if declare:
-            self.formats = {"kv_cache": kv_cache}
-        fmt, k_scale, v_scale = kv_cache_format(kv_cache)
-        for op in ATTENTION:
-            setattr(self, op, self._through_cache(getattr(reference, op), fmt, k_scale, v_scale, read))
-
-    @staticmethod
-    def _through_cache(base, fmt, k_scale, v_scale, read):
-        def run(*args):
-            *head, k, v = args
-            return base(*head, read(stored_in_fp8(k, fmt, k_scale), k_scale, k.dtype),
-                        read(stored_in_fp8(v, fmt, v_scale), v_scale, v.dtype))
-
-        run.__name__ = base.__name__
-        return run
-
-    def __getattr__(self, attribute):
-        return getattr(reference, attribute)
+        super().__init__({"kv_cache": kv_cache}, name, declare)
+        self.read_cache = read
 
 
 # Scales that are not powers of two (a power of two's quotient is exact), and that the suite's attention

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from gemma4_conformance.adapters import declared_formats, kv_cache_format
 from gemma4_conformance.checkpoints import checkpoint, generate
-from gemma4_conformance.checkpoints.quantized import rounded_activations
+from gemma4_conformance.checkpoints.quantized import read_from_fp8, rounded_activations, stored_in_fp8
 from gemma4_conformance.composition.graph import composed
 from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties import error_models
@@ -29,8 +29,7 @@ from gemma4_conformance.properties.serving import judge as judge_schedule
 from gemma4_conformance.properties.strategies import _attention_case, _desc
 from gemma4_conformance.properties.table import build
 from tests.mutants import ADAPTERS
-from tests.quantized_engines import (ATTENTION, DECLARED, KV_DECLARED, KV_E5M2, KV_UNDECLARED, UNDECLARED, read_from_fp8,
-                                     stored_in_fp8)
+from tests.quantized_engines import ATTENTION, DECLARED, KV_DECLARED, KV_E5M2, KV_UNDECLARED, UNDECLARED
 from tests.test_plugin import suite
 
 TIGHT = 4  # the derived bound may be at most this many times the exact error on the worst draw
@@ -160,32 +159,36 @@ def small_model(tmp_path_factory):
     return weights, tokens, reference(weights.config, weights, tokens, certify=False)[0]
 
 
+@pytest.mark.parametrize("declared, undeclared", [(DECLARED, UNDECLARED), (KV_DECLARED, KV_UNDECLARED)],
+                         ids=["activations", "kv_cache"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_a_forward_is_judged_against_a_baseline_that_rounds_as_the_engine_declares(small_model, dtype):
+def test_a_forward_is_judged_against_a_baseline_that_rounds_as_the_engine_declares(small_model, dtype, declared,
+                                                                                   undeclared):
     """The forward's verdict is relative to a plain baseline: for an engine that declares its activations
-    q8_0, the baseline rounds them so too (forward.baseline_ops), and the engine's forward passes; the same
-    engine undeclared is judged against the plain baseline, which rounds nothing, and fails by the rounding
-    (in float32 and float16, where it is far above the dtype's own)."""
+    q8_0 (or its KV cache fp8_e4m3), the baseline rounds them so too (forward.baseline_ops), and the
+    engine's forward passes; the same engine undeclared is judged against the plain baseline, which rounds
+    nothing, and fails by the rounding (in float32 and float16, where it is far above the dtype's own)."""
     weights, tokens, ref = small_model
     failures = {}
-    for engine in (DECLARED, UNDECLARED):
+    for engine in (declared, undeclared):
         candidate = composed(engine, weights.config, weights, tokens, dtype)
         plain = baseline_ops(declared_formats(engine))
         baseline = composed(plain, weights.config, weights, tokens, dtype)
         local = local_errors(candidate, weights.config, weights, tokens, dtype, plain)
         failures[engine.name] = judge_forward(candidate, baseline, ref, dtype, local).failures
-    assert failures[DECLARED.name] == []
-    assert any("own errors" in f for f in failures[UNDECLARED.name]), failures[UNDECLARED.name]
+    assert failures[declared.name] == []
+    assert any("own errors" in f for f in failures[undeclared.name]), failures[undeclared.name]
 
 
-def test_a_session_is_judged_against_a_baseline_that_rounds_as_the_engine_declares(tmp_path):
-    """The serving path's verdict has the forward's baseline: DECLARED's session passes a schedule judged with
-    its declared formats and fails it judged without them."""
+@pytest.mark.parametrize("engine", [DECLARED, KV_DECLARED], ids=["activations", "kv_cache"])
+def test_a_session_is_judged_against_a_baseline_that_rounds_as_the_engine_declares(tmp_path, engine):
+    """The serving path's verdict has the forward's baseline: a declaring engine's session passes a schedule
+    judged with its declared formats and fails it judged without them."""
     path = generate.write_checkpoint(tmp_path, generate.small_config(), seed=0)
     documents = Documents(checkpoint.load(path), checkpoint=str(path))
     schedule = normalize(fixed(documents.window), documents.window)
-    played = run(DECLARED, schedule, documents, "float32")
-    assert judge_schedule(played, schedule, documents, "float32", declared_formats(DECLARED)).failures == []
+    played = run(engine, schedule, documents, "float32")
+    assert judge_schedule(played, schedule, documents, "float32", declared_formats(engine)).failures == []
     assert judge_schedule(played, schedule, documents, "float32").failures
 KV_FORMATS = ("fp8_e4m3@1.5:0.75", "fp8_e5m2@0.3:2.5", "fp8_e4m3")
 

@@ -13,7 +13,8 @@ import sys
 
 import numpy as np
 
-from gemma4_conformance.checkpoints.quantized import rounded_activations
+from gemma4_conformance.adapters import kv_cache_format
+from gemma4_conformance.checkpoints.quantized import read_from_fp8, rounded_activations, stored_in_fp8
 from gemma4_conformance.spec import CONTRACT, format_of
 from gemma4_conformance.spec.exact import one_blas_thread
 
@@ -256,27 +257,44 @@ def sigmoid_gate(o, gate):
     return o * sigmoid.wide(gate)
 
 
-class RoundsActivations:
-    """These ops with the products (``linear``, ``gate_up``, ``lm_head``) on x rounded to the activation
-    format ``activations`` first (``checkpoints.quantized.rounded_activations``), as llama.cpp's CPU path
-    computes them: the plain baseline of a forward whose engine declares that format (properties/forward.py),
-    and an engine that rounds so, declaring it in ``formats`` or not (tests/quantized_engines.py)."""
+class RoundsAsDeclared:
+    """These ops rounding where ``formats`` (an adapter's declared formats) say an engine rounds beyond the
+    dtype: the products (``linear``, ``gate_up``, ``lm_head``) on x rounded to the ``activations`` format
+    first (``checkpoints.quantized.rounded_activations``, llama.cpp's CPU path), and attention on k and v
+    stored in the ``kv_cache`` format and read back (``stored_in_fp8``, ``read_from_fp8``: vLLM's fp8 KV
+    cache).  The plain baseline of a forward whose engine declares ``formats`` (properties/forward.py), and
+    an engine that rounds so (tests/quantized_engines.py), declaring it where ``declare``."""
 
     dtypes = dtypes
+    PRODUCTS = ("linear", "gate_up", "lm_head")
+    ATTENTION = ("causal_gqa", "sliding_gqa", "decode_gqa")
 
-    def __init__(self, activations: str, name: str | None = None, formats: dict[str, str] | None = None):
-        self.activations, self.name = activations, name or f"numpy with activations rounded to {activations}"
-        if formats is not None:
-            self.formats = formats
+    def __init__(self, formats: dict[str, str], name: str | None = None, declare: bool = False):
+        self.rounds = {key: value for key, value in formats.items() if key in ("activations", "kv_cache")}
+        self.name = name or "numpy rounding as declared: " + ", ".join(f"{k} {v}" for k, v in self.rounds.items())
+        if declare:
+            self.formats = dict(formats)
+        if "kv_cache" in self.rounds:
+            self.kv = kv_cache_format(self.rounds["kv_cache"])
 
-    def _rounded(self, product):
-        @functools.wraps(product)
-        def run(*args):
-            *head, x = args
-            return product(*head, rounded_activations(x, self.activations))  # in the weights' dtype, the run's
+    def read_cache(self, stored: np.ndarray, scale: float, dtype) -> np.ndarray:
+        return read_from_fp8(stored, scale, dtype)
 
-        return run
+    def _cached(self, x, scale):
+        return self.read_cache(stored_in_fp8(x, self.kv[0], scale), scale, x.dtype)
+
+    def _wrapped(self, name, op):
+        if name in self.PRODUCTS and "activations" in self.rounds:
+            def run(*args):
+                *head, x = args
+                return op(*head, rounded_activations(x, self.rounds["activations"]))  # in the weights' dtype
+        elif name in self.ATTENTION and "kv_cache" in self.rounds:
+            def run(*args):
+                *head, k, v = args
+                return op(*head, self._cached(k, self.kv[1]), self._cached(v, self.kv[2]))
+        else:
+            return op
+        return functools.wraps(op)(run)
 
     def __getattr__(self, attribute):  # the rest is this module's: its ops, device and invariance
-        found = getattr(sys.modules[__name__], attribute)
-        return self._rounded(found) if attribute in ("linear", "gate_up", "lm_head") else found
+        return self._wrapped(attribute, getattr(sys.modules[__name__], attribute))

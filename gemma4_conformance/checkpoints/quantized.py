@@ -36,10 +36,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 __all__ = ["WeightFormat", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format", "ACTIVATION_ROUNDINGS",
-           "rounded_activations"]
+           "rounded_activations",
+           "stored_in_fp8", "read_from_fp8"]
 
 QK_K = 256  # values per k-quant super-block
 
@@ -271,3 +273,20 @@ def rounded_activations(x: np.ndarray, name: str) -> np.ndarray:
     rows = np.zeros((int(np.prod(x.shape[:-1], dtype=np.int64)), -(-K // block) * block), dtype=np.float32)
     rows[:, :K] = x.reshape(-1, K)
     return rounding(rows.reshape(-1, block)).reshape(len(rows), -1)[:, :K].reshape(x.shape)
+
+
+# ---- the KV cache in fp8: fp8(x / s) stored, fp8 * s read back (vLLM's kv_cache_dtype="fp8_e4m3") ----
+
+FP8 = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
+
+
+def stored_in_fp8(x: np.ndarray, name: str, scale: float) -> np.ndarray:
+    """fp8(x / scale) as a KV cache stores it: x in float32 times the float32 inverse of the scale, rounded
+    to the nearest fp8 value (e4m3fn's NaN and e5m2's inf past their range)."""
+    with np.errstate(over="ignore"):
+        return (np.asarray(x, dtype=np.float32) * (np.float32(1) / np.float32(scale))).astype(FP8[name])
+
+
+def read_from_fp8(stored: np.ndarray, scale: float, dtype) -> np.ndarray:
+    """The cache's values read back: fp8 times the float32 scale, in the dtype the attention computes in."""
+    return (stored.astype(np.float32) * np.float32(scale)).astype(dtype)

@@ -90,11 +90,11 @@ def reference(config, weights, tokens, certify: bool = True, ops: frozenset[str]
 
 
 def baseline_ops(formats: dict[str, str]):
-    """The plain same-dtype baseline's ops for an engine that declares ``formats``: the numpy ops, with
-    its declared activation rounding before each product (a plain engine with those formats: the
+    """The plain same-dtype baseline's ops for an engine that declares ``formats``: the numpy ops, rounding
+    the products' activations and the KV cache as it declares (a plain engine with those formats: the
     forward's errors are judged against one that rounds as the engine says it does)."""
-    if "activations" in formats:
-        return numpy_backend.RoundsActivations(formats["activations"])
+    if {"activations", "kv_cache"} & set(formats):
+        return numpy_backend.RoundsAsDeclared(formats)
     return numpy_backend
 
 

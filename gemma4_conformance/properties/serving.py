@@ -182,9 +182,9 @@ class Documents:
         return result["logits"]
 
     @cache
-    def baseline(self, d: int, dtype: str, activations: str | None = None) -> np.ndarray:
-        """The plain baseline's logits, its products on x rounded to ``activations`` where an engine declares them."""
-        plain = baseline_ops({"activations": activations} if activations else {})
+    def baseline(self, d: int, dtype: str, formats: tuple = ()) -> np.ndarray:
+        """The plain baseline's logits, rounding as an engine declares (``formats``: its items)."""
+        plain = baseline_ops(dict(formats))
         return composed(plain, self.config, self.weights, self.tokens[d], dtype)["logits"]
 
     def of(self, k: int, sequence: dict) -> np.ndarray:
@@ -325,7 +325,7 @@ def judge(result: Run, schedule: dict, documents: Documents, dtype: str, formats
     failures, worst = [], None
     for k, s in enumerate(schedule["sequences"]):
         L, d = length(s), k % DOCUMENTS
-        rows, ref, base = result.stepped[k], documents.reference(d)[:L], documents.baseline(d, dtype, (formats or {}).get("activations"))[:L]
+        rows, ref, base = result.stepped[k], documents.reference(d)[:L], documents.baseline(d, dtype, tuple(sorted((formats or {}).items())))[:L]
         name = f"sequence {k} (id {s['id']}, {L} tokens, document {d})"
         verdict = judge_forward({"logits": rows}, {"logits": base}, {"logits": ref}, dtype, accumulated=ACCUMULATED)
         failures += [f"{name} against the reference: {f}" for f in verdict.failures]
