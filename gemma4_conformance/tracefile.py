@@ -33,6 +33,8 @@ TOKENS, POSITIONS = "tokens", "positions"
 # Required metadata; a file also gives ``checkpoint`` (a path) or ``checkpoint_sha256`` (checkpoint_digest), or both.
 METADATA = ("format", "format_version", "engine", "engine_version", "dtype", "device")
 CHECKPOINT_KEYS = ("checkpoint", "checkpoint_sha256")
+# Optional: the engine's declared formats (docs/quantized.md), "key=value,..." as a backend's bracket options.
+FORMATS = "formats"
 
 # safetensors dtype code -> numpy dtype, for the dtypes a trace may hold (little-endian, as the format is)
 DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -102,9 +104,11 @@ def _entry_problem(entry, data_length: int) -> str:
 
 
 def write(path, *, tokens, nodes: dict, engine: str, dtype: str, engine_version: str = "", device: str = "cpu",
-          checkpoint: str | None = None, checkpoint_sha256: str | None = None) -> Path:
+          checkpoint: str | None = None, checkpoint_sha256: str | None = None,
+          formats: dict[str, str] | None = None) -> Path:
     """Write one run's trace file: ``tokens`` (the prompt, positions 0..T-1), ``nodes`` (graph node ->
-    array in the engine's own dtype, ``logits`` among them) and the metadata; returns the path."""
+    array in the engine's own dtype, ``logits`` among them) and the metadata, with the engine's declared
+    ``formats`` where it has any; returns the path."""
     if checkpoint is None and checkpoint_sha256 is None:
         raise ValueError("a trace file names its checkpoint: give checkpoint (a path) or checkpoint_sha256")
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -113,6 +117,8 @@ def write(path, *, tokens, nodes: dict, engine: str, dtype: str, engine_version:
     metadata = {"format": FORMAT, "format_version": VERSION, "engine": engine, "engine_version": engine_version,
                 "dtype": dtype, "device": device}
     metadata |= {k: v for k, v in zip(CHECKPOINT_KEYS, (checkpoint, checkpoint_sha256)) if v is not None}
+    if formats:
+        metadata[FORMATS] = ",".join(f"{key}={value}" for key, value in formats.items())
     codes = {dt: code for code, dt in DTYPES.items()}
     specs = {}
     for name, a in arrays.items():
@@ -123,6 +129,18 @@ def write(path, *, tokens, nodes: dict, engine: str, dtype: str, engine_version:
     path.parent.mkdir(parents=True, exist_ok=True)
     serialize_file(specs, str(path), metadata=metadata)  # `arrays` holds the buffers alive meanwhile
     return path
+
+
+def formats_of(metadata: dict[str, str]) -> dict[str, str]:
+    """The declared formats a file's metadata gives ({} where none); a ValueError names an item that is not
+    key=value."""
+    formats = {}
+    for item in filter(None, (part.strip() for part in metadata.get(FORMATS, "").split(","))):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip() or not value.strip():
+            raise ValueError(f"metadata {FORMATS!r} item {item!r} is not key=value")
+        formats[key.strip()] = value.strip()
+    return formats
 
 
 def checkpoint_digest(files) -> str:

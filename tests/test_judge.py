@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gemma4_conformance import tracefile
 from gemma4_conformance.checkpoints import generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,3 +130,25 @@ def test_a_file_that_is_no_trace_file_is_one_line_and_exit_6(tmp_path, folder):
     assert "Traceback" not in out and "test_recorded.py" not in out and "def " not in out, out
     problems = json.loads((tmp_path / "r.json").read_text())["problems"]
     assert [p["message"].split(":")[0] for p in problems] == [str(garbage), str(short)]
+
+
+def test_a_declaring_engines_file_is_judged_with_its_declared_formats(tmp_path, folder):
+    """The file of an engine that declares its activations q8_0 carries them (metadata ``formats``) and is
+    judged with them, as in process: conformant; the same file without them departs at the first product,
+    and with a format the suite does not know it is a broken file (exit 6) naming the key."""
+    status, here, trace = recorded_in_process(tmp_path, folder, "tests.quantized_engines:DECLARED", "float32")
+    found = tracefile.read(trace)
+    assert status == 0 and found.metadata["formats"] == "activations=q8_0"
+    done = judge(tmp_path, str(trace), f"--weights={folder}", f"--report-json={tmp_path / 'judged.json'}")
+    assert done.returncode == 0, done.stdout[-3000:]
+    same_verdicts(here, json.loads((tmp_path / "judged.json").read_text()))
+    nodes = {k: v for k, v in found.tensors.items() if k not in (tracefile.TOKENS, tracefile.POSITIONS)}
+    meta = {k: found.metadata[k] for k in ("engine", "dtype", "checkpoint")}
+    for name, formats in (("undeclared", None), ("unknown", {"activations": "q9_9"})):
+        tracefile.write(tmp_path / f"{name}.safetensors", tokens=found.tensors[tracefile.TOKENS], nodes=nodes,
+                        formats=formats, **meta)
+    done = judge(tmp_path, str(tmp_path / "undeclared.safetensors"), f"--weights={folder}", "-k", "nodes")
+    assert done.returncode == 1 and "layers.0.q_proj" in done.stdout, done.stdout[-3000:]
+    done = judge(tmp_path, str(tmp_path / "unknown.safetensors"), f"--weights={folder}", "-k", "nodes")
+    assert done.returncode == 6 and "metadata 'formats' gives activations='q9_9'" in done.stdout + done.stderr, \
+        done.stdout[-3000:]

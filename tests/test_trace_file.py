@@ -127,6 +127,35 @@ def test_a_file_that_cannot_be_judged_at_all_says_why(tmp_path, run, what, chang
     assert message in str(e.value), what
 
 
+def test_declared_formats_in_the_metadata_are_read_or_refused_naming_the_file(tmp_path, run):
+    """``formats`` (optional): read as a backend's bracket options; any other text is a ContractViolation naming
+    the file and the key, never another exception (Hypothesis: drawn text and near-valid items)."""
+    path = write(tmp_path / "t.safetensors", run)
+    target = tmp_path / "formats.safetensors"
+    assert recorded.load(path, run[0]).formats == {}
+    resave(path, target, metadata={"formats": "activations=q8_0, kv_cache=fp8_e4m3@1.5:0.75"})
+    assert recorded.load(target, run[0]).formats == {"activations": "q8_0", "kv_cache": "fp8_e4m3@1.5:0.75"}
+    seen = set()
+    item = st.sampled_from(["activations=q8_0", "kv_cache=fp8_e5m2@2", "kv_cache=fp8_e4m3@0", "activations",
+                            "=q8_0", "weights=q4_k", "kv=f16", "kv_cache=fp8_e4m3@1:2:3", ",", " "])
+
+    @settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.one_of(st.text(max_size=24), st.lists(item, max_size=4).map(",".join)))
+    def fuzz(text):
+        resave(path, target, metadata={"formats": text})
+        try:
+            formats = recorded.load(target, run[0]).formats
+        except ContractViolation as e:
+            assert str(target) in str(e) and "formats" in str(e)
+            seen.add("refused")
+            return
+        assert isinstance(formats, dict)
+        seen.add("read")
+
+    fuzz()
+    assert seen == {"refused", "read"}
+
+
 def test_a_truncated_file_is_a_breach_of_the_tensors_it_cuts(tmp_path, run):
     weights = run[0]
     path = write(tmp_path / "t.safetensors", run)

@@ -165,21 +165,28 @@ def load(spec: str, device: str | None = None):
 
 def _check_formats(spec: str, formats, how: str) -> None:
     """A usage error unless ``formats`` maps keys of DECLARED_FORMATS to formats known there."""
+    problem = formats_problem(formats, how)
+    if problem:
+        raise AdapterError(f"backend {spec!r} {problem}")
+
+
+def formats_problem(formats, how: str = "declares") -> str:
+    """What is wrong with ``formats`` as declared formats (keys of DECLARED_FORMATS to formats known there),
+    "" where nothing is; the text follows its declarer's name ("backend 'x' " or a file's)."""
     if not isinstance(formats, dict) or not all(isinstance(k, str) for k in formats):
-        raise AdapterError(f"backend {spec!r} declares the formats {formats!r}; they are a dict with the keys "
-                           f"{', '.join(DECLARED_FORMATS)}")
+        return f"declares the formats {formats!r}; they are a dict with the keys {', '.join(DECLARED_FORMATS)}"
     for key, value in formats.items():
         if key not in DECLARED_FORMATS:
-            raise AdapterError(f"backend {spec!r} declares formats for {key!r}; the keys are "
-                               f"{', '.join(DECLARED_FORMATS)}")
+            return f"declares formats for {key!r}; the keys are {', '.join(DECLARED_FORMATS)}"
         if key == "kv_cache" and isinstance(value, str):
             try:
                 value = kv_cache_format(value)[0]
             except ValueError as e:
-                raise AdapterError(f"backend {spec!r} {how} kv_cache={formats[key]!r}: {e}") from None
+                return f"{how} kv_cache={formats[key]!r}: {e}"
         if value not in DECLARED_FORMATS[key]:
-            raise AdapterError(f"backend {spec!r} {how} {key}={formats[key]!r}, an unknown {key} format; the known "
-                               f"ones are {', '.join(DECLARED_FORMATS[key])}")
+            return (f"{how} {key}={formats[key]!r}, an unknown {key} format; the known ones are "
+                    f"{', '.join(DECLARED_FORMATS[key])}")
+    return ""
 
 
 def kv_cache_format(value: str) -> tuple[str, float, float]:

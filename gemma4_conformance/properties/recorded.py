@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from gemma4_conformance import tracefile
-from gemma4_conformance.adapters import DTYPES
+from gemma4_conformance.adapters import DTYPES, declared_formats, formats_problem
 from gemma4_conformance.adapters.contract import ContractViolation, wide_enough
 from gemma4_conformance.spec import format_of
 from gemma4_conformance.spec.model import nodes
@@ -46,6 +46,7 @@ class Recorded:
     tokens: np.ndarray
     trace: dict[str, np.ndarray]
     breaches: dict[str, str]  # node, tensor or "metadata ..." -> the message (naming the file)
+    formats: dict[str, str]  # the engine's declared formats (docs/quantized.md), as its metadata gives them
 
     def forward_breaches(self, config) -> list[str]:
         """The breaches that bear on the forward verdict: its logits, layer outputs and metadata."""
@@ -120,7 +121,20 @@ def load(path, weights) -> Recorded:
             breaches[name] = f"{where}: node {name!r} {why}"
         else:
             trace[name] = value
-    return Recorded(Path(path), meta.get("engine", "?"), dtype, tokens, trace, breaches)
+    return Recorded(Path(path), meta.get("engine", "?"), dtype, tokens, trace, breaches, _formats(meta, where))
+
+
+def _formats(meta: dict[str, str], where: str) -> dict[str, str]:
+    """The declared formats the metadata gives: judged with them, as the engine's run in process would be; a
+    value the suite does not know breaks the file (judged without it, the verdict would be the wrong one)."""
+    try:
+        formats = tracefile.formats_of(meta)
+    except ValueError as e:
+        raise ContractViolation(f"{where}: {e}") from None
+    problem = formats_problem(formats, "gives")
+    if problem:
+        raise ContractViolation(f"{where}: metadata {tracefile.FORMATS!r} {problem}")
+    return formats
 
 
 def _tokens(found, where: str, vocab: int) -> np.ndarray:
@@ -158,7 +172,7 @@ def judge_nodes(recorded: Recorded, weights, work: int = NODE_WORK) -> TraceVerd
     """Every node of the file judged as the trace test judges it (trace.judge_trace); a breached node's
     message says why it was left out."""
     verdict = judge_trace(recorded.trace, weights.config, weights, recorded.tokens, recorded.dtype, work,
-                          where=str(recorded.path))
+                          where=str(recorded.path), formats=recorded.formats)
     for n in verdict.nodes:
         if n.node in recorded.breaches:
             n.message = f"not judged: {recorded.breaches[n.node]}"
@@ -183,4 +197,4 @@ def record(folder, adapter, dtype: str, weights, tokens, out: dict) -> Path:
                            nodes=completed(out["trace"], out, weights.config), engine=adapter.name, dtype=dtype,
                            engine_version=str(getattr(adapter, "version", "")),
                            device=str(getattr(adapter, "device", "cpu")), checkpoint=str(weights.path),
-                           checkpoint_sha256=checkpoint_sha256(weights))
+                           checkpoint_sha256=checkpoint_sha256(weights), formats=declared_formats(adapter))

@@ -11,13 +11,12 @@ import shlex
 
 import pytest
 
-from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.adapters.contract import ContractViolation
 from gemma4_conformance.checkpoints import checkpoint
 from gemma4_conformance.composition.graph import composed
 
 from . import recorded as recording
-from .forward import judge_forward, local_errors, reference
+from .forward import baseline_ops, judge_forward, local_errors, reference
 
 
 @pytest.fixture(scope="session")
@@ -66,8 +65,9 @@ def test_recorded_forward_matches_reference(request, forward_file, judged_weight
     key = tokens.tobytes()
     if key not in references:
         references[key] = reference(config, judged_weights, tokens, certify=False)[0]
-    baseline = composed(numpy_backend, config, judged_weights, tokens, dtype)
-    local = local_errors(candidate, config, judged_weights, tokens, dtype)
+    plain = baseline_ops(recorded.formats)  # rounding as the engine declared it does
+    baseline = composed(plain, config, judged_weights, tokens, dtype)
+    local = local_errors(candidate, config, judged_weights, tokens, dtype, plain)
     verdict = judge_forward(candidate, baseline, references[key], dtype, local)
     verdict.rerun = rerun(forward_file, request.config)
     request.config.conformance_recorder.forward[forward_file.label, dtype] = verdict
