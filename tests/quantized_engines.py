@@ -4,12 +4,20 @@ rounds its activations.  ``DECLARED`` says so in its ``formats``; ``UNDECLARED``
 without the declaration, which the suite must fail.  Load one with
 --backend=tests.quantized_engines:DECLARED (or :UNDECLARED).
 
+``FP8_DECLARED`` and ``FP8_UNDECLARED`` are the numpy reference with its products computed as
+torch._scaled_mm and vLLM's fp8 linear compute them: x rounded to float8_e4m3fn per token and W per output
+channel, each with its dynamic float32 scale, the products exact and scaled after; ``FP8_STATIC`` takes
+x's scale from a fixed calibration instead of x, so values past it saturate at 448 (a rounding no
+declared format bounds).
+
 Also the mistakes an engine's dequantization can make, as edits of a block's bytes that the right
 dequantization then reads wrongly (tests/test_quantized.py, and the forward mutants that read a
 quantized checkpoint's blocks themselves: tests/forward_mutants.py).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import ml_dtypes
 import numpy as np
@@ -61,6 +69,76 @@ class RoundsActivations:
 
 DECLARED = RoundsActivations("numpy-q8_0-activations", {"activations": "q8_0"})
 UNDECLARED = RoundsActivations("numpy-q8_0-activations-undeclared", None)
+
+
+FP8_TYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+def fp8_scale(x: np.ndarray, kind: str, per_row: bool) -> np.ndarray:
+    """The dynamic float32 scale max |x| / M per row (or of the whole tensor), 1 for a group of zeros."""
+    magnitude = np.abs(np.asarray(x, dtype=np.float32))
+    a = magnitude.max(axis=-1, keepdims=True) if per_row else magnitude.max(keepdims=True)
+    s = a / np.float32(ml_dtypes.finfo(FP8_TYPES[kind]).max)
+    return np.where(s > 0, s, np.float32(1))
+
+
+def fp8_quantized(x: np.ndarray, kind: str, scale: np.ndarray) -> np.ndarray:
+    """q = fp8(x / scale) in float32, clamped to the format's range first (vLLM's scaled_fp8_quant saturates)."""
+    largest = np.float32(ml_dtypes.finfo(FP8_TYPES[kind]).max)
+    return np.clip(np.asarray(x, dtype=np.float32) / scale, -largest, largest).astype(FP8_TYPES[kind])
+
+
+def rounded_to_fp8(x: np.ndarray, kind: str, per_row: bool) -> np.ndarray:
+    """x^ = s q exactly (float64), as the fp8 GEMM's scaled products see x."""
+    scale = fp8_scale(x, kind, per_row)
+    return fp8_quantized(x, kind, scale).astype(np.float64) * scale.astype(np.float64)
+
+
+class Fp8Products:
+    """The numpy reference, its products on x and W rounded to fp8 with dynamic scales (``activations``,
+    ``weights``: (kind, per row) or None), computed exactly (float64: fp8 products are exact, and the
+    float32 accumulation of _scaled_mm is within the dtype's budget) and rounded once to the dtype."""
+
+    def __init__(self, name: str, formats: dict[str, str] | None, activations=("e4m3", True),
+                 weights=("e4m3", True), rounds_x=None):
+        self.name, self.dtypes = name, reference.dtypes
+        if formats is not None:
+            self.formats = formats
+        exact = partial(np.asarray, dtype=np.float64)
+        rounds_x = rounds_x or ((lambda x: rounded_to_fp8(x, *activations)) if activations else exact)
+        rounds_W = (lambda W: rounded_to_fp8(W, *weights)) if weights else exact
+        for op in ("linear", "gate_up", "lm_head"):
+            setattr(self, op, self._product(op, rounds_x, rounds_W))
+
+    @staticmethod
+    def _product(op, rounds_x, rounds_W):
+        base = getattr(reference, op)
+
+        def run(*args):
+            *head, x = args
+            dtype = x.dtype
+            head = [rounds_W(a) if isinstance(a, np.ndarray) and a.ndim == 2 else a for a in head]
+            with np.errstate(over="ignore"):
+                return np.asarray(base(*head, rounds_x(x)), dtype=np.float64).astype(dtype)
+
+        run.__name__ = op
+        return run
+
+    def __getattr__(self, attribute):
+        return getattr(reference, attribute)
+
+
+def static_scale_saturating(x: np.ndarray) -> np.ndarray:
+    """x rounded to e4m3 with a scale calibrated once for |x| <= 1 (s = 1 / 448), not taken from x: every
+    value past 1 saturates at 448 s = 1."""
+    scale = np.float32(1) / np.float32(448)
+    return fp8_quantized(x, "e4m3", scale).astype(np.float64) * np.float64(scale)
+
+
+FP8_FORMATS = {"activations": "fp8_e4m3_token", "weights": "fp8_e4m3_channel"}
+FP8_DECLARED = Fp8Products("numpy-fp8-e4m3", FP8_FORMATS)
+FP8_UNDECLARED = Fp8Products("numpy-fp8-e4m3-undeclared", None)
+FP8_STATIC = Fp8Products("numpy-fp8-e4m3-static-scale", FP8_FORMATS, rounds_x=static_scale_saturating)
 
 
 def set_scale(blocks: np.ndarray, at: int, bits: np.ndarray) -> None:

@@ -153,12 +153,24 @@ def _declared_terms(entry, args, dtype, formats: dict[str, str]):
         return None
     wide = _widened(args)
     with np.errstate(invalid="ignore", over="ignore"):  # an unbounded element: inf, or inf times 0
-        terms = {key: entry.declared[key](wide, dtype, name) for key, name in declared.items()}
+        terms = {key: _term(entry, key, wide, dtype, declared) for key in declared}
+    terms = {key: term for key, term in terms.items() if term is not None}  # a format without a term
+    if not terms:
+        return None
+    declared = {key: declared[key] for key in terms}
     for key, (grown, term) in terms.items():
         if not (np.isfinite(grown).all() and np.isfinite(term).all()):
-            raise BeyondDeclared(f"the declared {key} format {declared[key]} cannot hold these inputs (a block's "
-                                 f"scale is past its range), so its rounding has no bound here")
+            raise BeyondDeclared(f"the declared {key} format {declared[key]} cannot hold these inputs (a scale outside "
+                                 f"the range it is held in), so its rounding has no bound here")
     return declared, sum(grown for grown, _ in terms.values()), sum(term for _, term in terms.values())
+
+
+def _term(entry, key, wide, dtype, declared):
+    """One declared rounding's (scale's increase, term), or None: rounded weights meet the rounded
+    activations, so their term reads the activations' format."""
+    if key == "weights":
+        return entry.declared[key](wide, dtype, declared[key], declared.get("activations"))
+    return entry.declared[key](wide, dtype, declared[key])
 
 
 def _assess(entry, args, out, dtype, seed, work, first_stage, fallback, declared) -> Verdict:
