@@ -18,7 +18,7 @@ import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend as reference
 from gemma4_conformance.spec import CONTRACT, format_of
-from tests.quantized_engines import rounded_to_q8_0
+from tests.quantized_engines import FP8_FORMATS, FP8_STATIC, rounded_to_q8_0
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -30,6 +30,8 @@ class MutantAdapter:
         self._base = base
         self.name = f"{base.name} with {implementation.__name__}"
         self.dtypes = base.dtypes
+        if hasattr(implementation, "formats"):  # a mutant that declares formats, judged given them
+            self.formats = implementation.formats
         setattr(self, op, implementation)
 
     def __getattr__(self, attribute):
@@ -253,6 +255,16 @@ def linear_activations_in_q8_0_undeclared(W, x):
     """llama.cpp's CPU path without its declaration: x rounded to q8_0 blocks before the product
     (tests/quantized_engines.py; declared, the same engine is conformant)."""
     return reference.linear(W, rounded_to_q8_0(x))
+
+
+def linear_fp8_static_scale_saturating(W, x):
+    """fp8 products (x per token, W per channel in e4m3) declared with dynamic scales, but x's scale a
+    fixed calibration (1/448, for |x| <= 1), as a static fp8 checkpoint's input scale: every value past it
+    saturates at 448 s (tests/quantized_engines.py; with dynamic scales the same engine is conformant)."""
+    return FP8_STATIC.linear(W, x)
+
+
+linear_fp8_static_scale_saturating.formats = FP8_FORMATS
 
 
 def gate_up_gate_and_up_swapped(Wg, Wu, x):
@@ -507,6 +519,7 @@ MUTANTS = [  # (op, dtype, mutant)
     ("rope_std", "float32", rope_std_rotation_reversed),
     ("linear", "bfloat16", linear_bf16_accumulation),
     ("linear", "float32", linear_activations_in_q8_0_undeclared),
+    ("linear", "bfloat16", linear_fp8_static_scale_saturating),
     ("gate_up", "float32", gate_up_gate_and_up_swapped),
     ("silu_mul", "float32", silu_mul_gate_and_up_swapped),
     ("gelu_mul", "float32", gelu_mul_gate_and_up_swapped),
