@@ -228,6 +228,21 @@ def test_the_fp8_terms_hold_and_are_within_4_times_the_worst_error(key, name):
     assert max(ratios) * TIGHT >= 1, f"the term is {1 / max(ratios):.3g} times the worst error found"
 
 
+@pytest.mark.parametrize("kind", list(FP8_TYPES))
+def test_the_fp8_bound_is_half_the_spacing_at_every_midpoint_subnormals_included(kind):
+    """Every point half-way between two consecutive positive fp8 values (ml_dtypes' own, all 256 bit
+    patterns), at scale 1 (a row whose largest is M): the rounding's error there is half their spacing,
+    and the bound is that within float32's roundings."""
+    every = np.arange(256, dtype=np.uint8).view(FP8_TYPES[kind]).astype(np.float64)
+    values = np.unique(every[np.isfinite(every) & (every >= 0)])
+    midpoints = (values[:-1] + values[1:]) / 2
+    row = np.concatenate([[values[-1]], midpoints]).astype(np.float32)[None, :]
+    error = np.abs(row.astype(np.float64) - rounded_to_fp8(row, kind, True))[0, 1:]
+    bound = error_models.fp8_rounding(row, kind, True)[0, 1:]
+    np.testing.assert_array_equal(error, np.diff(values) / 2)
+    assert (error <= bound).all() and (bound <= error * (1 + 2.0**-16)).all()  # 3u |x| is under 2^-17 of it
+
+
 def test_fp8_rounding_of_zeros_is_exact_and_a_scale_below_float32s_normals_has_no_bound():
     assert (error_models.fp8_rounding(np.zeros((2, 8)), "e4m3", True) == 0).all()
     row = np.array([[0.0, 1.0, -3.0]])
