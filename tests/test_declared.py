@@ -17,6 +17,7 @@ from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties import error_models
 from gemma4_conformance.properties.judging import BeyondDeclared, assess, judge
 from gemma4_conformance.adapters import DECLARED_FORMATS
+from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS
 from tests.quantized_engines import (DECLARED, FP8_DECLARED, FP8_FORMATS, FP8_STATIC, FP8_TYPES, FP8_UNDECLARED,
                                      UNDECLARED, Fp8Products, fp8_scale, rounded_to_fp8, rounded_to_q8_0)
 from tests.test_plugin import suite
@@ -154,6 +155,8 @@ def test_the_run_reads_conformant_given_its_declared_formats(tmp_path):
 def test_the_declared_fp8_formats_are_those_with_a_term():
     assert set(error_models.FP8_ACTIVATIONS) <= set(DECLARED_FORMATS["activations"])
     assert set(error_models.FP8_WEIGHTS) <= set(DECLARED_FORMATS["weights"])
+    fp8_checkpoints = {name: ("e4m3", fmt.per_row) for name, fmt in WEIGHT_FORMATS.items() if not fmt.ggml_type}
+    assert fp8_checkpoints == error_models.FP8_WEIGHTS  # each fp8 weight format is the rounding its term bounds
     for kind, (m, emin, largest) in error_models.FP8.items():
         info = ml_dtypes.finfo(FP8_TYPES[kind])
         assert (info.nmant, info.minexp, float(info.max)) == (m, emin, largest)

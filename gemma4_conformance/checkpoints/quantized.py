@@ -1,5 +1,7 @@
 """Weight formats: GGUF's block formats ``q8_0``, ``q4_0``, ``q4_k`` and ``q6_k``, as llama.cpp defines
-them (``ggml-common.h`` for the block layouts, ``dequantize_row_*`` in ``ggml-quants.c`` for the values).
+them (``ggml-common.h`` for the block layouts, ``dequantize_row_*`` in ``ggml-quants.c`` for the values),
+and fp8: ``fp8_e4m3_channel`` and ``fp8_e4m3_tensor``, float8_e4m3fn values with a float32 scale per
+row (output channel) or per tensor, as vLLM's and compressed-tensors' fp8 checkpoints hold them.
 
 A quantized tensor is exactly a set of real numbers: per block of values a scale (and, in ``q4_k``, a
 minimum) times small integers. Those numbers are the weights an engine running the file computes
@@ -15,6 +17,8 @@ and ``-24 <= e <= 5`` (65504 = 2047 * 2^5; the subnormals are ``a * 2^-24``, ``a
   ``A * 2^e`` and ``B * 2^f`` with ``A <= 2047 * 63 * 15 < 2^21``, ``B <= 2047 * 63 < 2^17``. Their
   difference is ``2^g`` (``g = min(e, f)``) times the integer ``A * 2^(e-g) - B * 2^(f-g)``, and
   ``|e - f| <= 29``, so that integer is below ``2^21 * 2^29 + 2^17 * 2^29 < 2^51``.
+
+* fp8: ``s * q``, s a float32 (24 significant bits), q an e4m3fn value (4): ``< 2^28``.
 
 Every product and the difference are below 2^53 in units of their last bit, so each float64
 operation above is exact (IEEE arithmetic returns the exact result when it is representable).
@@ -35,10 +39,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
+import ml_dtypes
 import numpy as np
 
-__all__ = ["WeightFormat", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format"]
+__all__ = ["WeightFormat", "ScaledFp8", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format"]
 
 QK_K = 256  # values per k-quant super-block
 
@@ -53,6 +59,11 @@ class WeightFormat:
     ggml_type: str                                   # the name of the type in GGML and GGUF
     dequantize_blocks: Callable[[np.ndarray], np.ndarray]  # uint8 [n, block_bytes] -> float64 [n, block]
     quantize_blocks: Callable[[np.ndarray], np.ndarray]    # float32 [n, block] -> uint8 [n, block_bytes]
+    whole_tensors: ClassVar[bool] = False  # its blocks are quantized apart, so a writer may stream them
+
+    @property
+    def stores(self) -> str:
+        return f"matrices whose rows are multiples of {self.block} values"
 
     def fits(self, shape: tuple[int, ...]) -> bool:
         """Whether a tensor of ``shape`` can be stored: a matrix whose rows are whole blocks."""
@@ -72,10 +83,45 @@ class WeightFormat:
         """The blocks (uint8 ``[rows, row bytes]``) that store ``values`` (``[rows, columns]``), rounded."""
         values = np.asarray(values, dtype=np.float32)
         if not self.fits(values.shape):
-            raise ValueError(f"{self.name} stores matrices whose rows are multiples of {self.block} values, "
-                             f"not shape {list(values.shape)}")
+            raise ValueError(f"{self.name} stores {self.stores}, not shape {list(values.shape)}")
         blocks = self.quantize_blocks(values.reshape(-1, self.block))
         return blocks.reshape(self.stored_shape(values.shape))
+
+
+@dataclass(frozen=True)
+class ScaledFp8:
+    """float8_e4m3fn values and a float32 scale per row (``per_row``: an output channel) or per tensor.
+    Stored as the suite's own layout, like the blocks: each row is its scale's 4 bytes (little-endian;
+    a per-tensor matrix repeats its one scale) then its values' bytes.  The scale is max |row| / 448 (or
+    the tensor's), computed in float32, and q = fp8(x / s), saturated to 448, as vLLM quantizes."""
+
+    name: str
+    per_row: bool
+    ggml_type: ClassVar[None] = None  # GGUF has no fp8 type
+    whole_tensors: ClassVar[bool] = True  # a per-tensor scale reads the whole tensor
+    stores: ClassVar[str] = "matrices"
+    LARGEST: ClassVar[float] = 448.0
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == 2 and shape[1] > 0
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        return shape[0], shape[1] + 4
+
+    def dequantize(self, stored: np.ndarray) -> np.ndarray:
+        stored = np.ascontiguousarray(stored, dtype=np.uint8)
+        scale = stored[:, :4].copy().view("<f4").astype(np.float64)
+        return scale * stored[:, 4:].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+    def quantize(self, values: np.ndarray) -> np.ndarray:
+        values = np.asarray(values, dtype=np.float32)
+        if not self.fits(values.shape):
+            raise ValueError(f"{self.name} stores {self.stores}, not shape {list(values.shape)}")
+        magnitude = np.abs(values)
+        a = magnitude.max(axis=1, keepdims=True) if self.per_row else np.full((len(values), 1), magnitude.max())
+        scale = np.where(a > 0, a / np.float32(self.LARGEST), np.float32(1)).astype("<f4")
+        q = np.clip(values / scale, -self.LARGEST, self.LARGEST).astype(ml_dtypes.float8_e4m3fn)
+        return np.concatenate([scale.view(np.uint8), q.view(np.uint8)], axis=1)
 
 
 class UnknownWeightFormat(ValueError):
@@ -223,9 +269,11 @@ def _q6_k_quantize(x: np.ndarray) -> np.ndarray:
                            sc.astype(np.int8).view(np.uint8), _fp16_bytes(d16)], axis=1)
 
 
-WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
+WEIGHT_FORMATS: dict[str, WeightFormat | ScaledFp8] = {f.name: f for f in (
     WeightFormat("q8_0", 32, 34, "Q8_0", _q8_0_dequantize, _q8_0_quantize),
     WeightFormat("q4_0", 32, 18, "Q4_0", _q4_0_dequantize, _q4_0_quantize),
     WeightFormat("q4_k", QK_K, 144, "Q4_K", _q4_k_dequantize, _q4_k_quantize),
     WeightFormat("q6_k", QK_K, 210, "Q6_K", _q6_k_dequantize, _q6_k_quantize),
+    ScaledFp8("fp8_e4m3_channel", per_row=True),
+    ScaledFp8("fp8_e4m3_tensor", per_row=False),
 )}
