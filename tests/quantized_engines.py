@@ -164,6 +164,16 @@ def scales_in_bfloat16(name: str, blocks: np.ndarray) -> np.ndarray:
     return out
 
 
+def fp8_scales_in_bfloat16(name: str, rows: np.ndarray) -> np.ndarray:
+    """fp8 rows (tests' view of checkpoints.quantized.ScaledFp8: a float32 scale, then e4m3fn bytes) with the
+    scale rounded to bfloat16, as a loader that reads the scales into the model's dtype does."""
+    assert name.startswith("fp8_"), "only the fp8 rows have a float32 scale first"
+    out = rows.copy()
+    scale = out[:, :4].copy().view("<f4")
+    out[:, :4] = scale.astype(ml_dtypes.bfloat16).astype("<f4").view(np.uint8)
+    return out
+
+
 def dequantized_wrongly(mistake, weights):
     """The checkpoint's tensors, each quantized matrix read from its blocks with ``mistake``; a checkpoint
     without quantized matrices is refused (the mutant would be the reference)."""
@@ -173,8 +183,9 @@ def dequantized_wrongly(mistake, weights):
     out = {name: weights[name] for name in weights}
     for name, format_name in formats.items():
         info, fmt = weights.info(name), WEIGHT_FORMATS[format_name]
-        blocks = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        stored = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset).reshape(
+            fmt.stored_shape(info.shape))
+        units = stored if fmt.whole_tensors else stored.reshape(-1, fmt.block_bytes)  # fp8's rows, or the blocks
         with np.errstate(over="ignore", invalid="ignore"):
-            out[name] = fmt.dequantize(mistake(format_name, blocks.reshape(-1, fmt.block_bytes)).reshape(
-                fmt.stored_shape(info.shape)))
+            out[name] = fmt.dequantize(mistake(format_name, units).reshape(stored.shape))
     return out
