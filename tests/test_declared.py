@@ -324,3 +324,23 @@ def test_torch_fp8_runs_scaled_mm_and_is_conformant_given_its_declared_formats()
         engine.formats = {}
         op, dtype, case = CASES[0]
         assert not judge(engine, op, case, dtype).passed
+
+
+@pytest.mark.parametrize("engine", [DECLARED, FP8_DECLARED], ids=lambda e: e.name)
+def test_the_relations_leave_out_inputs_the_declared_formats_cannot_hold(engine):
+    """float64 inputs past fp16's range times 127 (q8_0's scale) and float32's (fp8's): both sides of
+    gate_up = [linear | linear] are NaN there, outside the declaration as in the op tests; the same
+    relation still fails an engine whose halves differ."""
+    from gemma4_conformance.properties.relations import RELATIONS
+
+    case = {"args": {"x": {"shape": [2, 5, 1], "dist": "specials", "log2": 0, "seed": 28},
+                     "Wg": {"shape": [1, 1], "dist": "normal", "log2": 0, "seed": 0},
+                     "Wu": {"shape": [1, 1], "dist": "normal", "log2": 0, "seed": 0}}, "cancel": None}
+    relation = RELATIONS["gate_up_is_two_linears"]
+    assert relation.check(engine, case, "float64") == []
+    held = {"args": {"x": {"shape": [2, 5, 8], "dist": "normal", "log2": 0, "seed": 1},
+                     "Wg": {"shape": [3, 8], "dist": "normal", "log2": 0, "seed": 2},
+                     "Wu": {"shape": [3, 8], "dist": "normal", "log2": 0, "seed": 3}}, "cancel": None}
+    swapped = Fp8Products("numpy-fp8-swapped", FP8_FORMATS)
+    swapped.gate_up = lambda Wg, Wu, x: FP8_DECLARED.gate_up(Wu, Wg, x)
+    assert relation.check(swapped, held, "float64")

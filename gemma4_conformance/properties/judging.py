@@ -145,6 +145,17 @@ class BeyondDeclared(Exception):
     bound there, and the example is outside what the declaration covers."""
 
 
+def declared_formats_hold(op: str, args: tuple, dtype: str, formats: dict[str, str]) -> bool:
+    """Whether the declared ``formats`` hold ``args`` (BeyondDeclared where they cannot): what lies
+    beyond them is outside every verdict on a declaring engine, the relations' too."""
+    try:
+        with one_blas_thread():
+            _declared_terms(OPS[op], args, dtype, formats)
+    except BeyondDeclared:
+        return False
+    return True
+
+
 def _declared_terms(entry, args, dtype, formats: dict[str, str]):
     """(formats, the scale's increase, the terms) summed per output element over the declared roundings
     ``entry`` has terms for, on the whole output; None where there are none."""
