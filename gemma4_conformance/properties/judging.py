@@ -148,6 +148,8 @@ class BeyondDeclared(Exception):
 def declared_formats_hold(op: str, args: tuple, dtype: str, formats: dict[str, str]) -> bool:
     """Whether the declared ``formats`` hold ``args`` (BeyondDeclared where they cannot): what lies
     beyond them is outside every verdict on a declaring engine, the relations' too."""
+    if not formats:  # an adapter that declares nothing: nothing to compute
+        return True
     try:
         with one_blas_thread():
             _declared_terms(OPS[op], args, dtype, formats)
