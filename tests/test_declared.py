@@ -314,7 +314,7 @@ def test_e4m3fn_overflow_is_nan_and_an_engine_returning_it_fails():
 def test_torch_fp8_runs_scaled_mm_and_is_conformant_given_its_declared_formats():
     """torch[fp8=e4m3] (torch._scaled_mm on the CPU) passes with its declared formats and fails without."""
     torch_backend = pytest.importorskip("gemma4_conformance.adapters.torch_backend")
-    from gemma4_conformance.adapters import load
+    from gemma4_conformance.adapters import AdapterError, load
 
     for option, formats in torch_backend.FP8.items():
         engine = load(f"torch[fp8={option}]")
@@ -324,6 +324,8 @@ def test_torch_fp8_runs_scaled_mm_and_is_conformant_given_its_declared_formats()
         engine.formats = {}
         op, dtype, case = CASES[0]
         assert not judge(engine, op, case, dtype).passed
+    with pytest.raises(AdapterError, match=r"fp8 is one of e4m3, e4m3-tensor, not 'e5m2'"):
+        load("torch[fp8=e5m2]")
 
 
 @pytest.mark.parametrize("engine", [DECLARED, FP8_DECLARED], ids=lambda e: e.name)
