@@ -553,11 +553,11 @@ def fp8_rounding(values, kind: str, per_row: bool) -> np.ndarray:
     over the scale's group (a row along the last axis, or the whole tensor), M the format's largest:
 
         |x - x^| <= ((1 + u)^3 - 1) |x| + s (1 + v) ulp(t) / 2 + (1 + s (1 + v)) 2^-149,
-        t = min(M, |x| (1 + u)^3 / (s (1 - v))),
+        t = min(M, (|x| (1 + u)^3 + 2^-149) / (s (1 - v))),
 
     u float32's unit roundoff, v = 2 u + u^2, ulp(t) the fp8 spacing at t (2^(max(floor(log2 t), emin)
     - m), m significand bits after the point, emin the smallest normal exponent: subnormals included).
-    The engine takes x in float32 (within u, or 2^-150 below float32's normal range), forms s' (a in
+    The engine takes x in float32 (within u, and 2^-150 below float32's normal range), forms s' (a in
     float32, then the quotient: within v s of s) and t' = x / s' in float32 (a quotient, or an inverse and
     a product: (1 + u)^3 with x's rounding, plus 2^-150 where t' is subnormal in float32), and q the
     nearest fp8 to t': x - s' q = (x - s' t') + s' (t' - q), |t' - q| at most half the fp8 spacing at
@@ -574,7 +574,7 @@ def fp8_rounding(values, kind: str, per_row: bool) -> np.ndarray:
     u = U32
     v = 2 * u + u * u
     with np.errstate(divide="ignore", invalid="ignore"):
-        t = np.minimum(largest, x * (1 + u) ** 3 / (s * (1 - v)))
+        t = np.minimum(largest, (x * (1 + u) ** 3 + F32_SUBNORMAL) / (s * (1 - v)))
         spacing = np.exp2(np.maximum(np.floor(np.log2(t)), emin) - m)
     bound = ((1 + u) ** 3 - 1) * x + s * (1 + v) * spacing / 2 + (1 + s * (1 + v)) * F32_SUBNORMAL
     bound = np.where(x == 0, 0.0, bound)
