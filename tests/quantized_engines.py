@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from gemma4_conformance.adapters import numpy_backend as reference
-from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS
+from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, fp8_quantized, rounded_to_fp8
 
 Q8_0 = WEIGHT_FORMATS["q8_0"]
 # byte offsets of each format's fp16 scales in a block (d, and dmin in q4_k)
@@ -69,29 +69,6 @@ class RoundsActivations:
 
 DECLARED = RoundsActivations("numpy-q8_0-activations", {"activations": "q8_0"})
 UNDECLARED = RoundsActivations("numpy-q8_0-activations-undeclared", None)
-
-
-FP8_TYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
-
-
-def fp8_scale(x: np.ndarray, kind: str, per_row: bool) -> np.ndarray:
-    """The dynamic float32 scale max |x| / M per row (or of the whole tensor), 1 for a group of zeros."""
-    magnitude = np.abs(np.asarray(x, dtype=np.float32))
-    a = magnitude.max(axis=-1, keepdims=True) if per_row else magnitude.max(keepdims=True)
-    s = a / np.float32(ml_dtypes.finfo(FP8_TYPES[kind]).max)
-    return np.where(s > 0, s, np.float32(1))
-
-
-def fp8_quantized(x: np.ndarray, kind: str, scale: np.ndarray) -> np.ndarray:
-    """q = fp8(x / scale) in float32, clamped to the format's range first (vLLM's scaled_fp8_quant saturates)."""
-    largest = np.float32(ml_dtypes.finfo(FP8_TYPES[kind]).max)
-    return np.clip(np.asarray(x, dtype=np.float32) / scale, -largest, largest).astype(FP8_TYPES[kind])
-
-
-def rounded_to_fp8(x: np.ndarray, kind: str, per_row: bool) -> np.ndarray:
-    """x^ = s q exactly (float64), as the fp8 GEMM's scaled products see x."""
-    scale = fp8_scale(x, kind, per_row)
-    return fp8_quantized(x, kind, scale).astype(np.float64) * scale.astype(np.float64)
 
 
 class Fp8Products:

@@ -17,9 +17,9 @@ from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties import error_models
 from gemma4_conformance.properties.judging import BeyondDeclared, assess, judge
 from gemma4_conformance.adapters import DECLARED_FORMATS
-from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS
-from tests.quantized_engines import (DECLARED, FP8_DECLARED, FP8_FORMATS, FP8_STATIC, FP8_TYPES, FP8_UNDECLARED,
-                                     UNDECLARED, Fp8Products, fp8_scale, rounded_to_fp8, rounded_to_q8_0)
+from gemma4_conformance.checkpoints.quantized import FP8_ACTIVATIONS, FP8_TYPES, WEIGHT_FORMATS, fp8_scale, rounded_to_fp8
+from tests.quantized_engines import (DECLARED, FP8_DECLARED, FP8_FORMATS, FP8_STATIC, FP8_UNDECLARED, UNDECLARED,
+                                     Fp8Products, rounded_to_q8_0)
 from tests.test_plugin import suite
 
 TIGHT = 4  # the derived bound may be at most this many times the exact error on the worst draw
@@ -153,10 +153,9 @@ def test_the_run_reads_conformant_given_its_declared_formats(tmp_path):
 # ---- fp8 inputs of the products ----------------------------------------------------------------------
 
 def test_the_declared_fp8_formats_are_those_with_a_term():
-    assert set(error_models.FP8_ACTIVATIONS) <= set(DECLARED_FORMATS["activations"])
+    assert set(FP8_ACTIVATIONS) <= set(DECLARED_FORMATS["activations"])
+    assert set(error_models.FP8_WEIGHTS) == {name for name, fmt in WEIGHT_FORMATS.items() if not fmt.ggml_type}
     assert set(error_models.FP8_WEIGHTS) <= set(DECLARED_FORMATS["weights"])
-    fp8_checkpoints = {name: ("e4m3", fmt.per_row) for name, fmt in WEIGHT_FORMATS.items() if not fmt.ggml_type}
-    assert fp8_checkpoints == error_models.FP8_WEIGHTS  # each fp8 weight format is the rounding its term bounds
     for kind, (m, emin, largest) in error_models.FP8.items():
         info = ml_dtypes.finfo(FP8_TYPES[kind])
         assert (info.nmant, info.minexp, float(info.max)) == (m, emin, largest)
@@ -194,7 +193,7 @@ def _exact(W, x, x_rounded, W_rounded):
                     for w, a, wr, b in zip(W, row, W_rounded, rounded))) for row, rounded in zip(x, x_rounded)]
 
 
-FP8_CASES = [("activations", name) for name in error_models.FP8_ACTIVATIONS] + \
+FP8_CASES = [("activations", name) for name in FP8_ACTIVATIONS] + \
             [("weights", name) for name in error_models.FP8_WEIGHTS]
 
 
@@ -203,7 +202,7 @@ def test_the_fp8_terms_hold_and_are_within_4_times_the_worst_error(key, name):
     """One output of a linear whose rounded operand (x for activations, W's row for weights) is drawn near
     the term's worst case and whose other operand is signed as each element's error: the exact error (in
     rationals) inside the term, and on the worst draw the term at most 4 times it."""
-    kind, per_row = (error_models.FP8_ACTIVATIONS if key == "activations" else error_models.FP8_WEIGHTS)[name]
+    kind, per_row = (FP8_ACTIVATIONS if key == "activations" else error_models.FP8_WEIGHTS)[name]
     ratios = []
 
     @settings(max_examples=150, deadline=None, derandomize=True, database=None,

@@ -12,7 +12,7 @@ import importlib.util
 import inspect
 from importlib.metadata import entry_points
 
-from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS
+from gemma4_conformance.checkpoints.quantized import FP8_ACTIVATIONS, WEIGHT_FORMATS
 from gemma4_conformance.spec import FORMATS
 
 # Built-in backends: name -> (the adapter's module or module:attribute, the library it needs installed,
@@ -49,8 +49,7 @@ INVARIANCE = ("run", "batch", "chunk")
 # activation format add their derived terms to the budgets of the products (properties/error_models.py,
 # tolerances.yaml).
 DECLARED_FORMATS = {"weights": tuple(WEIGHT_FORMATS),
-                    "activations": ("q8_0", "q8_k", "fp8_e4m3_token", "fp8_e4m3_tensor", "fp8_e5m2_token",
-                                    "fp8_e5m2_tensor"),
+                    "activations": ("q8_0", "q8_k", *FP8_ACTIVATIONS),
                     "kv_cache": ()}  # fp8_e4m3 and fp8_e5m2 with a scale, once their term is derived
 
 

@@ -44,7 +44,8 @@ from typing import ClassVar
 import ml_dtypes
 import numpy as np
 
-__all__ = ["WeightFormat", "ScaledFp8", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format"]
+__all__ = ["WeightFormat", "ScaledFp8", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format", "FP8_TYPES",
+           "FP8_ACTIVATIONS", "fp8_scale", "fp8_quantized", "rounded_to_fp8"]
 
 QK_K = 256  # values per k-quant super-block
 
@@ -88,19 +89,50 @@ class WeightFormat:
         return blocks.reshape(self.stored_shape(values.shape))
 
 
+# ---- fp8 with dynamic float32 scales: the weights' format and the products' activations ---------------
+
+FP8_TYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+# Declared activation formats in fp8 (adapters.DECLARED_FORMATS) -> (fp8 kind, one scale per token or one per
+# tensor), as torch._scaled_mm's and vLLM's dynamic fp8 linears scale x
+FP8_ACTIVATIONS = {"fp8_e4m3_token": ("e4m3", True), "fp8_e4m3_tensor": ("e4m3", False),
+                   "fp8_e5m2_token": ("e5m2", True), "fp8_e5m2_tensor": ("e5m2", False)}
+
+
+def fp8_scale(x: np.ndarray, kind: str, per_row: bool) -> np.ndarray:
+    """The dynamic scale max |x| / M in float32, M the format's largest value, per row along the last axis
+    (keeping it, size 1) or of the whole tensor (every axis size 1); 1 for a group of zeros."""
+    magnitude = np.abs(np.asarray(x, dtype=np.float32))
+    a = magnitude.max(axis=-1, keepdims=True) if per_row else magnitude.max(keepdims=True)
+    s = a / np.float32(ml_dtypes.finfo(FP8_TYPES[kind]).max)
+    return np.where(s > 0, s, np.float32(1)).astype(np.float32)
+
+
+def fp8_quantized(x: np.ndarray, kind: str, scale: np.ndarray) -> np.ndarray:
+    """q = fp8(x / scale), the quotient in float32 and clamped to the format's range first (vLLM's
+    scaled_fp8_quant saturates; only a scale not taken from x can need it)."""
+    largest = np.float32(ml_dtypes.finfo(FP8_TYPES[kind]).max)
+    return np.clip(np.asarray(x, dtype=np.float32) / scale, -largest, largest).astype(FP8_TYPES[kind])
+
+
+def rounded_to_fp8(x: np.ndarray, kind: str, per_row: bool) -> np.ndarray:
+    """x^ = s q exactly (float64: 24 + 4 significant bits), the value an fp8 GEMM's scaled products see."""
+    scale = fp8_scale(x, kind, per_row)
+    return fp8_quantized(x, kind, scale).astype(np.float64) * scale.astype(np.float64)
+
+
 @dataclass(frozen=True)
 class ScaledFp8:
     """float8_e4m3fn values and a float32 scale per row (``per_row``: an output channel) or per tensor.
     Stored as the suite's own layout, like the blocks: each row is its scale's 4 bytes (little-endian;
     a per-tensor matrix repeats its one scale) then its values' bytes.  The scale is max |row| / 448 (or
-    the tensor's), computed in float32, and q = fp8(x / s), saturated to 448, as vLLM quantizes."""
+    the tensor's), computed in float32, and q = fp8(x / s) (``fp8_scale``, ``fp8_quantized``), as vLLM
+    quantizes."""
 
     name: str
     per_row: bool
     ggml_type: ClassVar[None] = None  # GGUF has no fp8 type
     whole_tensors: ClassVar[bool] = True  # a per-tensor scale reads the whole tensor
     stores: ClassVar[str] = "matrices"
-    LARGEST: ClassVar[float] = 448.0
 
     def fits(self, shape: tuple[int, ...]) -> bool:
         return len(shape) == 2 and shape[1] > 0
@@ -117,10 +149,8 @@ class ScaledFp8:
         values = np.asarray(values, dtype=np.float32)
         if not self.fits(values.shape):
             raise ValueError(f"{self.name} stores {self.stores}, not shape {list(values.shape)}")
-        magnitude = np.abs(values)
-        a = magnitude.max(axis=1, keepdims=True) if self.per_row else np.full((len(values), 1), magnitude.max())
-        scale = np.where(a > 0, a / np.float32(self.LARGEST), np.float32(1)).astype("<f4")
-        q = np.clip(values / scale, -self.LARGEST, self.LARGEST).astype(ml_dtypes.float8_e4m3fn)
+        scale = np.broadcast_to(fp8_scale(values, "e4m3", self.per_row), (len(values), 1)).astype("<f4")
+        q = fp8_quantized(values, "e4m3", scale)
         return np.concatenate([scale.view(np.uint8), q.view(np.uint8)], axis=1)
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gemma4_conformance import spec
+from gemma4_conformance.checkpoints.quantized import FP8_ACTIVATIONS, WEIGHT_FORMATS, ScaledFp8
 from gemma4_conformance.spec import format_of, scale_ulp
 from gemma4_conformance.spec.compiled import jit
 
@@ -541,9 +542,7 @@ def _lm_head_moved(mul, cap, W, x, dtype, moved, before=0.0):
 # has no inf: 0x7f is NaN and 448 = 1.75 * 2^8 its largest; e5m2 is IEEE-like, 57344 then inf)
 FP8 = {"e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0)}
 # declared format -> (fp8 kind, whether each row has its own scale: a token of x, an output channel of W)
-FP8_ACTIVATIONS = {"fp8_e4m3_token": ("e4m3", True), "fp8_e4m3_tensor": ("e4m3", False),
-                   "fp8_e5m2_token": ("e5m2", True), "fp8_e5m2_tensor": ("e5m2", False)}
-FP8_WEIGHTS = {"fp8_e4m3_channel": ("e4m3", True), "fp8_e4m3_tensor": ("e4m3", False)}
+FP8_WEIGHTS = {name: ("e4m3", fmt.per_row) for name, fmt in WEIGHT_FORMATS.items() if isinstance(fmt, ScaledFp8)}
 F32_SUBNORMAL = 2.0**-149  # float32's smallest subnormal: below its normal range roundings are absolute
 F32_LARGEST = float(np.finfo(np.float32).max)
 
