@@ -19,7 +19,7 @@ from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.checkpoints.config import TextConfig
 from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec.model import forward
-from tests.quantized_engines import dequantized_wrongly, min_with_wrong_sign, scales_in_bfloat16
+from tests.quantized_engines import dequantized_wrongly, fp8_scales_in_bfloat16, min_with_wrong_sign, scales_in_bfloat16
 
 
 class Rewired(AdapterOps):
@@ -93,6 +93,8 @@ QUANTIZED = [
     (ForwardMutant("q4_k_min_with_wrong_sign", edit_weights=partial(dequantized_wrongly, min_with_wrong_sign)), "q4_k"),
     (ForwardMutant("q4_k_scales_rounded_to_bfloat16", edit_weights=partial(dequantized_wrongly, scales_in_bfloat16)),
      "q4_k"),
+    (ForwardMutant("fp8_scales_rounded_to_bfloat16", edit_weights=partial(dequantized_wrongly, fp8_scales_in_bfloat16)),
+     "fp8_e4m3_channel"),
 ]
 
 ADAPTERS = SimpleNamespace(**{mutant.name: mutant for mutant in MUTANTS + [m for m, _ in QUANTIZED]})

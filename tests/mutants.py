@@ -19,7 +19,7 @@ import numpy as np
 from gemma4_conformance.adapters import numpy_backend as reference
 from gemma4_conformance.checkpoints.quantized import rounded_activations
 from gemma4_conformance.spec import CONTRACT, format_of
-from tests.quantized_engines import KV_DECLARED, KvCacheInFp8
+from tests.quantized_engines import FP8_FORMATS, FP8_STATIC, KV_DECLARED, KvCacheInFp8
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -31,6 +31,8 @@ class MutantAdapter:
         self._base = base
         self.name = f"{base.name} with {implementation.__name__}"
         self.dtypes = base.dtypes
+        if hasattr(implementation, "formats"):  # a mutant that declares formats, judged given them
+            self.formats = implementation.formats
         setattr(self, op, implementation)
 
     def __getattr__(self, attribute):
@@ -265,6 +267,16 @@ causal_gqa_fp8_cache_read_without_its_scale.__doc__ = (
     "scale, declaring fp8_e4m3 with its scales as KV_DECLARED does (tests/quantized_engines.py). A cache "
     "that drops the scale on both sides is no mutant: in the format's normal range its values are within "
     "the declared rounding's bound, and with a power-of-two scale the same.")
+
+
+def linear_fp8_static_scale_saturating(W, x):
+    """fp8 products (x per token, W per channel in e4m3) declared with dynamic scales, but x's scale a
+    fixed calibration (1/448, for |x| <= 1), as a static fp8 checkpoint's input scale: every value past it
+    saturates at 448 s (tests/quantized_engines.py; with dynamic scales the same engine is conformant)."""
+    return FP8_STATIC.linear(W, x)
+
+
+linear_fp8_static_scale_saturating.formats = FP8_FORMATS
 
 
 def gate_up_gate_and_up_swapped(Wg, Wu, x):
@@ -519,6 +531,7 @@ MUTANTS = [  # (op, dtype, mutant)
     ("rope_std", "float32", rope_std_rotation_reversed),
     ("linear", "bfloat16", linear_bf16_accumulation),
     ("linear", "float32", linear_activations_in_q8_0_undeclared),
+    ("linear", "bfloat16", linear_fp8_static_scale_saturating),
     ("gate_up", "float32", gate_up_gate_and_up_swapped),
     ("silu_mul", "float32", silu_mul_gate_and_up_swapped),
     ("gelu_mul", "float32", gelu_mul_gate_and_up_swapped),

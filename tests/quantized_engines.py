@@ -6,6 +6,12 @@ without the declaration, which the suite must fail.  Load one with
 ``KV_UNDECLARED``: its attention ops on k and v stored in an fp8 e4m3 KV cache with scales, as vLLM's fp8
 KV cache stores them (``KV_E5M2`` in e5m2).
 
+``FP8_DECLARED`` and ``FP8_UNDECLARED`` are the numpy reference with its products computed as
+torch._scaled_mm and vLLM's fp8 linear compute them: x rounded to float8_e4m3fn per token and W per output
+channel, each with its dynamic float32 scale, the products exact and scaled after; ``FP8_STATIC`` takes
+x's scale from a fixed calibration instead of x, so values past it saturate at 448 (a rounding no
+declared format bounds).
+
 Also the mistakes an engine's dequantization can make, as edits of a block's bytes that the right
 dequantization then reads wrongly (tests/test_quantized.py, and the forward mutants that read a
 quantized checkpoint's blocks themselves: tests/forward_mutants.py).
@@ -13,11 +19,14 @@ quantized checkpoint's blocks themselves: tests/forward_mutants.py).
 
 from __future__ import annotations
 
+from functools import partial
+
 import ml_dtypes
 import numpy as np
 
+from gemma4_conformance.adapters import numpy_backend as reference
 from gemma4_conformance.adapters.numpy_backend import RoundsAsDeclared
-from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, read_from_fp8
+from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, fp8_quantized, read_from_fp8, rounded_to_fp8
 
 # byte offsets of each format's fp16 scales in a block (d, and dmin in q4_k)
 SCALES = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
@@ -47,6 +56,53 @@ KV_UNDECLARED = KvCacheInFp8("numpy-kv-fp8_e4m3-undeclared", "fp8_e4m3@1.5:0.75"
 KV_E5M2 = KvCacheInFp8("numpy-kv-fp8_e5m2", "fp8_e5m2@1.5:0.75", declare=True)
 
 
+class Fp8Products:
+    """The numpy reference, its products on x and W rounded to fp8 with dynamic scales (``activations``,
+    ``weights``: (kind, per row) or None), computed exactly (float64: fp8 products are exact, and the
+    float32 accumulation of _scaled_mm is within the dtype's budget) and rounded once to the dtype."""
+
+    def __init__(self, name: str, formats: dict[str, str] | None, activations=("e4m3", True),
+                 weights=("e4m3", True), rounds_x=None):
+        self.name, self.dtypes = name, reference.dtypes
+        if formats is not None:
+            self.formats = formats
+        exact = partial(np.asarray, dtype=np.float64)
+        rounds_x = rounds_x or ((lambda x: rounded_to_fp8(x, *activations)) if activations else exact)
+        rounds_W = (lambda W: rounded_to_fp8(W, *weights)) if weights else exact
+        for op in ("linear", "gate_up", "lm_head"):
+            setattr(self, op, self._product(op, rounds_x, rounds_W))
+
+    @staticmethod
+    def _product(op, rounds_x, rounds_W):
+        base = getattr(reference, op)
+
+        def run(*args):
+            *head, x = args
+            dtype = x.dtype
+            head = [rounds_W(a) if isinstance(a, np.ndarray) and a.ndim == 2 else a for a in head]
+            with np.errstate(over="ignore"):
+                return np.asarray(base(*head, rounds_x(x)), dtype=np.float64).astype(dtype)
+
+        run.__name__ = op
+        return run
+
+    def __getattr__(self, attribute):
+        return getattr(reference, attribute)
+
+
+def static_scale_saturating(x: np.ndarray) -> np.ndarray:
+    """x rounded to e4m3 with a scale calibrated once for |x| <= 1 (s = 1 / 448), not taken from x: every
+    value past 1 saturates at 448 s = 1."""
+    scale = np.float32(1) / np.float32(448)
+    return fp8_quantized(x, "e4m3", scale).astype(np.float64) * np.float64(scale)
+
+
+FP8_FORMATS = {"activations": "fp8_e4m3_token", "weights": "fp8_e4m3_channel"}
+FP8_DECLARED = Fp8Products("numpy-fp8-e4m3", FP8_FORMATS)
+FP8_UNDECLARED = Fp8Products("numpy-fp8-e4m3-undeclared", None)
+FP8_STATIC = Fp8Products("numpy-fp8-e4m3-static-scale", FP8_FORMATS, rounds_x=static_scale_saturating)
+
+
 def set_scale(blocks: np.ndarray, at: int, bits: np.ndarray) -> None:
     blocks[:, at:at + 2] = np.asarray(bits, dtype="<u2").reshape(-1, 1).view(np.uint8).reshape(-1, 2)
 
@@ -70,6 +126,16 @@ def scales_in_bfloat16(name: str, blocks: np.ndarray) -> np.ndarray:
     return out
 
 
+def fp8_scales_in_bfloat16(name: str, rows: np.ndarray) -> np.ndarray:
+    """fp8 rows (tests' view of checkpoints.quantized.ScaledFp8: a float32 scale, then e4m3fn bytes) with the
+    scale rounded to bfloat16, as a loader that reads the scales into the model's dtype does."""
+    assert name.startswith("fp8_"), "only the fp8 rows have a float32 scale first"
+    out = rows.copy()
+    scale = out[:, :4].copy().view("<f4")
+    out[:, :4] = scale.astype(ml_dtypes.bfloat16).astype("<f4").view(np.uint8)
+    return out
+
+
 def dequantized_wrongly(mistake, weights):
     """The checkpoint's tensors, each quantized matrix read from its blocks with ``mistake``; a checkpoint
     without quantized matrices is refused (the mutant would be the reference)."""
@@ -79,8 +145,9 @@ def dequantized_wrongly(mistake, weights):
     out = {name: weights[name] for name in weights}
     for name, format_name in formats.items():
         info, fmt = weights.info(name), WEIGHT_FORMATS[format_name]
-        blocks = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        stored = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset).reshape(
+            fmt.stored_shape(info.shape))
+        units = stored if fmt.whole_tensors else stored.reshape(-1, fmt.block_bytes)  # fp8's rows, or the blocks
         with np.errstate(over="ignore", invalid="ignore"):
-            out[name] = fmt.dequantize(mistake(format_name, blocks.reshape(-1, fmt.block_bytes)).reshape(
-                fmt.stored_shape(info.shape)))
+            out[name] = fmt.dequantize(mistake(format_name, units).reshape(stored.shape))
     return out

@@ -76,11 +76,20 @@ def test_a_correct_engines_unlucky_draw_passes_on_its_own_errors_and_a_coherent_
 
 
 @pytest.fixture(scope="module")
-def q4_k_model(tmp_path_factory):
-    folder = generate.write_checkpoint(tmp_path_factory.mktemp("q4_k"), generate.small_config(), weight_format="q4_k")
-    weights = checkpoint.load(folder)
-    tokens = np.random.default_rng(0).integers(0, weights.config.vocab_size, TOKENS)
-    return weights, tokens, reference(weights.config, weights, tokens, certify=False)[0]
+def quantized_models(tmp_path_factory):
+    """The small model written in a weight format (each written once), with tokens and its reference."""
+    models = {}
+
+    def model(weight_format):
+        if weight_format not in models:
+            folder = generate.write_checkpoint(tmp_path_factory.mktemp(weight_format), generate.small_config(),
+                                               weight_format=weight_format)
+            weights = checkpoint.load(folder)
+            tokens = np.random.default_rng(0).integers(0, weights.config.vocab_size, TOKENS)
+            models[weight_format] = weights, tokens, reference(weights.config, weights, tokens, certify=False)[0]
+        return models[weight_format]
+
+    return model
 
 
 def _verdict(engine, model, dtype="float32"):
@@ -91,13 +100,14 @@ def _verdict(engine, model, dtype="float32"):
 
 
 @pytest.mark.parametrize("mutant, weight_format", QUANTIZED, ids=lambda m: getattr(m, "name", m))
-def test_a_wrong_dequantization_of_the_checkpoint_s_blocks_fails_the_forward_verdict(q4_k_model, mutant, weight_format):
-    assert weight_format == "q4_k"
-    verdict = _verdict(mutant, q4_k_model)
+def test_a_wrong_dequantization_of_the_checkpoint_s_blocks_fails_the_forward_verdict(quantized_models, mutant,
+                                                                                   weight_format):
+    verdict = _verdict(mutant, quantized_models(weight_format))
     assert any("own" in f for f in verdict.failures), f"{mutant.name} passed: {verdict.failures}"
 
 
-def test_the_blocks_read_and_dequantized_right_pass(q4_k_model):
+@pytest.mark.parametrize("weight_format", sorted({f for _, f in QUANTIZED}))
+def test_the_blocks_read_and_dequantized_right_pass(quantized_models, weight_format):
     """The control: the same engine with no mistake in its dequantization passes, so each mutant fails by its bug."""
     right = ForwardMutant("blocks_read_right", edit_weights=partial(dequantized_wrongly, lambda name, blocks: blocks))
-    assert not _verdict(right, q4_k_model).failures
+    assert not _verdict(right, quantized_models(weight_format)).failures

@@ -23,7 +23,7 @@ from gemma4_conformance.properties.trace import (
     completed,
     judge_trace,
 )
-from tests.quantized_engines import DECLARED, KV_DECLARED
+from tests.quantized_engines import DECLARED, FP8_DECLARED, FP8_FORMATS, KV_DECLARED
 from tests.trace_engines import WRONG_OPS, OneWrongNode, small_model
 
 
@@ -156,6 +156,19 @@ def test_a_declared_kv_cache_in_fp8_is_judged_by_its_term_and_an_undeclared_one_
     assert given.summary().endswith("given its declared formats: kv_cache fp8_e4m3@1.5:0.75"), given.summary()
     departure = judge_trace(trace, weights.config, weights, tokens, dtype).first_departure
     assert departure is not None and departure.node == "layers.0.attention", departure
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_fp8_engine_s_trace_passes_given_its_declared_formats_and_departs_without(dtype, model):
+    """x per token and W per output channel in e4m3 with dynamic scales (tests/quantized_engines.py): every
+    node passes given both declarations; without them the trace departs at layer 0's q_proj."""
+    weights, tokens, _ = model
+    trace = trace_of(FP8_DECLARED, model, dtype)
+    given = judge_trace(trace, weights.config, weights, tokens, dtype, formats=FP8_FORMATS)
+    assert set(outcomes(given).values()) == {PASSED}, given.summary()
+    assert "given its declared formats: activations fp8_e4m3_token, weights fp8_e4m3_channel" in given.summary()
+    departure = judge_trace(trace, weights.config, weights, tokens, dtype).first_departure
+    assert departure is not None and departure.node == "layers.0.q_proj"
 
 
 def test_a_node_whose_inputs_its_declared_format_cannot_hold_fails_saying_so():

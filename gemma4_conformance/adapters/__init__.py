@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 
 import numpy as np
 
-from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS
+from gemma4_conformance.checkpoints.quantized import FP8_ACTIVATIONS, WEIGHT_FORMATS
 from gemma4_conformance.spec import FORMATS
 
 # Built-in backends: name -> (the adapter's module or module:attribute, the library it needs installed,
@@ -46,11 +46,13 @@ ENTRY_POINT_GROUP = "gemma4_conformance.adapters"
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 INVARIANCE = ("run", "batch", "chunk")
 # Where an adapter may round beyond the dtype under test, and in which formats (its ``formats``, or the
-# same keys as options in brackets; docs/quantized.md).  Declared weights are the checkpoint's own
-# (the reference runs on their exact values); an activation format adds its derived term to the
-# budgets of the products, a KV cache format to the attention ops' (properties/error_models.py,
-# tolerances.yaml).  A KV cache format may carry its per-tensor scales: ``kv_cache_format``.
-DECLARED_FORMATS = {"weights": tuple(WEIGHT_FORMATS), "activations": ("q8_0", "q8_k"),
+# same keys as options in brackets; docs/quantized.md).  Declared block weights are the checkpoint's own
+# (the reference runs on their exact values); fp8 weights (per output channel or per tensor) and every
+# activation format add their derived terms to the budgets of the products, a KV cache format to the
+# attention ops' (properties/error_models.py, tolerances.yaml).  A KV cache format may carry its
+# per-tensor scales: ``kv_cache_format``.
+DECLARED_FORMATS = {"weights": tuple(WEIGHT_FORMATS),
+                    "activations": ("q8_0", "q8_k", *FP8_ACTIVATIONS),
                     "kv_cache": ("fp8_e4m3", "fp8_e5m2")}
 
 

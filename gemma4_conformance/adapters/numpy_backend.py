@@ -14,7 +14,8 @@ import sys
 import numpy as np
 
 from gemma4_conformance.adapters import kv_cache_format
-from gemma4_conformance.checkpoints.quantized import read_from_fp8, rounded_activations, stored_in_fp8
+from gemma4_conformance.checkpoints.quantized import (FP8_WEIGHTS, read_from_fp8, rounded_activations, rounded_to_fp8,
+                                                     stored_in_fp8)
 from gemma4_conformance.spec import CONTRACT, format_of
 from gemma4_conformance.spec.exact import one_blas_thread
 
@@ -260,17 +261,20 @@ def sigmoid_gate(o, gate):
 class RoundsAsDeclared:
     """These ops rounding where ``formats`` (an adapter's declared formats) say an engine rounds beyond the
     dtype: the products (``linear``, ``gate_up``, ``lm_head``) on x rounded to the ``activations`` format
-    first (``checkpoints.quantized.rounded_activations``, llama.cpp's CPU path), and attention on k and v
-    stored in the ``kv_cache`` format and read back (``stored_in_fp8``, ``read_from_fp8``: vLLM's fp8 KV
-    cache).  The plain baseline of a forward whose engine declares ``formats`` (properties/forward.py), and
-    an engine that rounds so (tests/quantized_engines.py), declaring it where ``declare``."""
+    first (``checkpoints.quantized.rounded_activations``: llama.cpp's CPU path, or an fp8 GEMM's dynamic
+    scaling) and on W rounded to an fp8 ``weights`` format (``rounded_to_fp8``; a block format is the
+    checkpoint's own and is not rounded again), and attention on k and v stored in the ``kv_cache`` format
+    and read back (``stored_in_fp8``, ``read_from_fp8``: vLLM's fp8 KV cache).  The plain baseline of a
+    forward whose engine declares ``formats`` (properties/forward.py), and an engine that rounds so
+    (tests/quantized_engines.py), declaring it where ``declare``."""
 
     dtypes = dtypes
     PRODUCTS = ("linear", "gate_up", "lm_head")
     ATTENTION = ("causal_gqa", "sliding_gqa", "decode_gqa")
 
     def __init__(self, formats: dict[str, str], name: str | None = None, declare: bool = False):
-        self.rounds = {key: value for key, value in formats.items() if key in ("activations", "kv_cache")}
+        self.rounds = {key: value for key, value in formats.items() if key in ("activations", "kv_cache")
+                       or (key == "weights" and value in FP8_WEIGHTS)}
         self.name = name or "numpy rounding as declared: " + ", ".join(f"{k} {v}" for k, v in self.rounds.items())
         if declare:
             self.formats = dict(formats)
@@ -283,11 +287,25 @@ class RoundsAsDeclared:
     def _cached(self, x, scale):
         return self.read_cache(stored_in_fp8(x, self.kv[0], scale), scale, x.dtype)
 
+    def _product(self, op):
+        activations, weights = self.rounds.get("activations"), self.rounds.get("weights")
+
+        def run(*args):
+            *head, x = args
+            rounded_x = rounded_activations(x, activations) if activations else x
+            if not weights:
+                return op(*head, rounded_x)  # in the weights' dtype, the run's
+            # fp8 weights: the products of the rounded operands in float64, rounded once to the run's dtype
+            head = [rounded_to_fp8(a, *FP8_WEIGHTS[weights]) if isinstance(a, np.ndarray) and a.ndim == 2 else a
+                    for a in head]
+            with np.errstate(over="ignore"):
+                return np.asarray(op(*head, np.asarray(rounded_x, np.float64))).astype(x.dtype)
+
+        return run
+
     def _wrapped(self, name, op):
-        if name in self.PRODUCTS and "activations" in self.rounds:
-            def run(*args):
-                *head, x = args
-                return op(*head, rounded_activations(x, self.rounds["activations"]))  # in the weights' dtype
+        if name in self.PRODUCTS and {"activations", "weights"} & set(self.rounds):
+            run = self._product(op)
         elif name in self.ATTENTION and "kv_cache" in self.rounds:
             def run(*args):
                 *head, k, v = args

@@ -19,7 +19,9 @@ is ``cpu``, ``cuda``, ``cuda:N`` (``gpu`` is read as ``cuda``) or ``mps``; ``tf3
 TF32 for float32 matmuls and cuDNN convolutions during this backend's ops (default: the process's
 setting, which torch starts with off for matmuls); ``reduced=on|off`` forces cuBLAS's
 reduced-precision reductions for bf16 and fp16 matmuls (default: the process's, which torch starts
-with on).
+with on); ``fp8=e4m3`` (or ``e4m3-tensor``) runs linear, gate_up and lm_head through ``torch._scaled_mm``
+on float8_e4m3fn operands with dynamic float32 scales per token and per output channel (or per tensor),
+as vLLM's fp8 linear does, and declares those formats (``Fp8Eager``, docs/quantized.md).
 """
 
 from __future__ import annotations
@@ -354,6 +356,48 @@ def forced_modes(tf32: bool | None, reduced: bool | None):
             setattr(owner, attribute, value)
 
 
+class Fp8Eager(Eager):
+    """``Eager`` with its products through ``torch._scaled_mm``: x (each token, or the whole tensor) and W
+    (each output channel, or the whole tensor) rounded to float8_e4m3fn by the dynamic scale max |.| / 448
+    in float32, saturating (a value past 448 cannot arise: the scale maps the largest to 448), the fp8
+    products accumulated in float32 and multiplied by both scales, the result in the dtype."""
+
+    LARGEST = 448.0  # float8_e4m3fn's largest finite value: it has no inf
+
+    def __init__(self, per_row: bool):
+        self.per_row = per_row
+
+    def _quantized(self, t):
+        """(q, scale) of a matrix: scale [rows, 1] per row, or [] per tensor; a group of zeros scales by 1."""
+        wide = t.to(torch.float32)
+        a = wide.abs().amax(dim=-1, keepdim=True) if self.per_row else wide.abs().amax()
+        scale = torch.where(a > 0, a / self.LARGEST, torch.ones_like(a))
+        return (wide / scale).clamp(-self.LARGEST, self.LARGEST).to(torch.float8_e4m3fn), scale
+
+    def _scaled(self, W, x):
+        rows = x.reshape(-1, x.shape[-1])
+        qx, sx = self._quantized(rows)
+        qw, sw = self._quantized(W)
+        out = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.t(), out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], W.shape[0])
+
+    def linear(self, W, x):
+        return self._scaled(W, x)
+
+    def gate_up(self, Wg, Wu, x):
+        return torch.cat((self._scaled(Wg, x), self._scaled(Wu, x)), dim=-1)
+
+    def lm_head(self, mul, cap, W, x):
+        logits = mul * self._scaled(W, x)
+        return logits if cap is None else self.softcap(cap, logits)
+
+
+# torch[fp8=...] -> (one scale per row, the formats it declares)
+FP8 = {"e4m3": (True, {"activations": "fp8_e4m3_token", "weights": "fp8_e4m3_channel"}),
+       "e4m3-tensor": (False, {"activations": "fp8_e4m3_tensor", "weights": "fp8_e4m3_tensor"})}
+FP8_DTYPES = ("float32", "bfloat16", "float16")  # torch._scaled_mm's out_dtype takes no float64
+
+
 # ----------------------------------------------------------------------------------------- the adapter
 
 
@@ -448,6 +492,13 @@ for _op in OP_NAMES:
     setattr(TorchAdapter, _op, _contract_method(_op))
 
 
-def backend(device: str = "cpu", tf32: str = "", reduced: str = "") -> TorchAdapter:
+def backend(device: str = "cpu", tf32: str = "", reduced: str = "", fp8: str = "") -> TorchAdapter:
     """The eager torch backend (``--backend=torch[tf32=on]``, ...); see the module docstring."""
-    return TorchAdapter(Eager(), "torch", device, tf32, reduced)
+    if not fp8:
+        return TorchAdapter(Eager(), "torch", device, tf32, reduced)
+    if fp8 not in FP8:
+        raise ValueError(f"fp8 is one of {', '.join(FP8)}, not {fp8!r}")
+    per_row, formats = FP8[fp8]
+    adapter = TorchAdapter(Fp8Eager(per_row), f"torch-fp8-{fp8}", device, tf32, reduced)
+    adapter.formats, adapter.dtypes = formats, FP8_DTYPES
+    return adapter

@@ -27,6 +27,8 @@ from .checkpoint import FORMATS_KEY, SINGLE_NAME, TEXT_PREFIX, canonical_names, 
 from .config import TextConfig
 from .quantized import WEIGHT_FORMATS
 
+GGUF_TYPES = {f.ggml_type: f for f in WEIGHT_FORMATS.values() if f.ggml_type}  # GGUF's name -> format
+
 GGUF_NAME = "model.gguf"  # the GGUF an exported folder was made from, copied beside its safetensors
 FLOAT_TYPES = {"F32": ("F32", np.float32), "F16": ("F16", np.float16), "BF16": ("BF16", np.uint16)}
 
@@ -61,12 +63,12 @@ def tensors(gguf_path: Path, cfg: TextConfig) -> dict[str, tuple[str, str | None
         if kind in FLOAT_TYPES:
             code, dtype = FLOAT_TYPES[kind]
             out[canonical] = (code, None, np.asarray(t.data).view(dtype).reshape(shape))
-        elif kind.lower() in WEIGHT_FORMATS:
-            fmt = WEIGHT_FORMATS[kind.lower()]
+        elif kind in GGUF_TYPES:
+            fmt = GGUF_TYPES[kind]
             out[canonical] = ("U8", fmt.name, np.asarray(t.data, dtype=np.uint8).reshape(fmt.stored_shape(shape)))
         else:
             raise GGUFExportError(f"{gguf_path}: {name} is stored as {kind}, which the suite cannot dequantize "
-                                  f"exactly (it reads {', '.join(f.upper() for f in WEIGHT_FORMATS)} and "
+                                  f"exactly (it reads {', '.join(GGUF_TYPES)} and "
                                   f"{', '.join(FLOAT_TYPES)})")
     return out
 

@@ -1,5 +1,7 @@
 """Weight formats: GGUF's block formats ``q8_0``, ``q4_0``, ``q4_k`` and ``q6_k``, as llama.cpp defines
-them (``ggml-common.h`` for the block layouts, ``dequantize_row_*`` in ``ggml-quants.c`` for the values).
+them (``ggml-common.h`` for the block layouts, ``dequantize_row_*`` in ``ggml-quants.c`` for the values),
+and fp8: ``fp8_e4m3_channel`` and ``fp8_e4m3_tensor``, float8_e4m3fn values with a float32 scale per
+row (output channel) or per tensor, as vLLM's and compressed-tensors' fp8 checkpoints hold them.
 
 A quantized tensor is exactly a set of real numbers: per block of values a scale (and, in ``q4_k``, a
 minimum) times small integers. Those numbers are the weights an engine running the file computes
@@ -15,6 +17,8 @@ and ``-24 <= e <= 5`` (65504 = 2047 * 2^5; the subnormals are ``a * 2^-24``, ``a
   ``A * 2^e`` and ``B * 2^f`` with ``A <= 2047 * 63 * 15 < 2^21``, ``B <= 2047 * 63 < 2^17``. Their
   difference is ``2^g`` (``g = min(e, f)``) times the integer ``A * 2^(e-g) - B * 2^(f-g)``, and
   ``|e - f| <= 29``, so that integer is below ``2^21 * 2^29 + 2^17 * 2^29 < 2^51``.
+
+* fp8: ``s * q``, s a float32 (24 significant bits), q an e4m3fn value (4): ``< 2^28``.
 
 Every product and the difference are below 2^53 in units of their last bit, so each float64
 operation above is exact (IEEE arithmetic returns the exact result when it is representable).
@@ -35,13 +39,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["WeightFormat", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format", "ACTIVATION_ROUNDINGS",
-           "rounded_activations",
-           "stored_in_fp8", "read_from_fp8"]
+__all__ = ["WeightFormat", "ScaledFp8", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format", "FP8_TYPES",
+           "FP8_ACTIVATIONS", "FP8_WEIGHTS", "fp8_scale", "fp8_quantized", "rounded_to_fp8", "ACTIVATION_ROUNDINGS",
+           "rounded_activations", "stored_in_fp8", "read_from_fp8"]
 
 QK_K = 256  # values per k-quant super-block
 
@@ -56,6 +61,11 @@ class WeightFormat:
     ggml_type: str                                   # the name of the type in GGML and GGUF
     dequantize_blocks: Callable[[np.ndarray], np.ndarray]  # uint8 [n, block_bytes] -> float64 [n, block]
     quantize_blocks: Callable[[np.ndarray], np.ndarray]    # float32 [n, block] -> uint8 [n, block_bytes]
+    whole_tensors: ClassVar[bool] = False  # its blocks are quantized apart, so a writer may stream them
+
+    @property
+    def stores(self) -> str:
+        return f"matrices whose rows are multiples of {self.block} values"
 
     def fits(self, shape: tuple[int, ...]) -> bool:
         """Whether a tensor of ``shape`` can be stored: a matrix whose rows are whole blocks."""
@@ -75,10 +85,74 @@ class WeightFormat:
         """The blocks (uint8 ``[rows, row bytes]``) that store ``values`` (``[rows, columns]``), rounded."""
         values = np.asarray(values, dtype=np.float32)
         if not self.fits(values.shape):
-            raise ValueError(f"{self.name} stores matrices whose rows are multiples of {self.block} values, "
-                             f"not shape {list(values.shape)}")
+            raise ValueError(f"{self.name} stores {self.stores}, not shape {list(values.shape)}")
         blocks = self.quantize_blocks(values.reshape(-1, self.block))
         return blocks.reshape(self.stored_shape(values.shape))
+
+
+# ---- fp8 with dynamic float32 scales: the weights' format and the products' activations ---------------
+
+FP8_TYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+# Declared activation formats in fp8 (adapters.DECLARED_FORMATS) -> (fp8 kind, one scale per token or one per
+# tensor), as torch._scaled_mm's and vLLM's dynamic fp8 linears scale x
+FP8_ACTIVATIONS = {"fp8_e4m3_token": ("e4m3", True), "fp8_e4m3_tensor": ("e4m3", False),
+                   "fp8_e5m2_token": ("e5m2", True), "fp8_e5m2_tensor": ("e5m2", False)}
+
+
+def fp8_scale(x: np.ndarray, kind: str, per_row: bool) -> np.ndarray:
+    """The dynamic scale max |x| / M in float32, M the format's largest value, per row along the last axis
+    (keeping it, size 1) or of the whole tensor (every axis size 1); 1 for a group of zeros."""
+    magnitude = np.abs(np.asarray(x, dtype=np.float32))
+    a = magnitude.max(axis=-1, keepdims=True) if per_row else magnitude.max(keepdims=True)
+    s = a / np.float32(ml_dtypes.finfo(FP8_TYPES[kind]).max)
+    return np.where(s > 0, s, np.float32(1)).astype(np.float32)
+
+
+def fp8_quantized(x: np.ndarray, kind: str, scale: np.ndarray) -> np.ndarray:
+    """q = fp8(x / scale), the quotient in float32 and clamped to the format's range first (vLLM's
+    scaled_fp8_quant saturates; only a scale not taken from x can need it)."""
+    largest = np.float32(ml_dtypes.finfo(FP8_TYPES[kind]).max)
+    return np.clip(np.asarray(x, dtype=np.float32) / scale, -largest, largest).astype(FP8_TYPES[kind])
+
+
+def rounded_to_fp8(x: np.ndarray, kind: str, per_row: bool) -> np.ndarray:
+    """x^ = s q exactly (float64: 24 + 4 significant bits), the value an fp8 GEMM's scaled products see."""
+    scale = fp8_scale(x, kind, per_row)
+    return fp8_quantized(x, kind, scale).astype(np.float64) * scale.astype(np.float64)
+
+
+@dataclass(frozen=True)
+class ScaledFp8:
+    """float8_e4m3fn values and a float32 scale per row (``per_row``: an output channel) or per tensor.
+    Stored as the suite's own layout, like the blocks: each row is its scale's 4 bytes (little-endian;
+    a per-tensor matrix repeats its one scale) then its values' bytes.  The scale is max |row| / 448 (or
+    the tensor's), computed in float32, and q = fp8(x / s) (``fp8_scale``, ``fp8_quantized``), as vLLM
+    quantizes."""
+
+    name: str
+    per_row: bool
+    ggml_type: ClassVar[None] = None  # GGUF has no fp8 type
+    whole_tensors: ClassVar[bool] = True  # a per-tensor scale reads the whole tensor
+    stores: ClassVar[str] = "matrices"
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == 2 and shape[1] > 0
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        return shape[0], shape[1] + 4
+
+    def dequantize(self, stored: np.ndarray) -> np.ndarray:
+        stored = np.ascontiguousarray(stored, dtype=np.uint8)
+        scale = stored[:, :4].copy().view("<f4").astype(np.float64)
+        return scale * stored[:, 4:].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+    def quantize(self, values: np.ndarray) -> np.ndarray:
+        values = np.asarray(values, dtype=np.float32)
+        if not self.fits(values.shape):
+            raise ValueError(f"{self.name} stores {self.stores}, not shape {list(values.shape)}")
+        scale = np.broadcast_to(fp8_scale(values, "e4m3", self.per_row), (len(values), 1)).astype("<f4")
+        q = fp8_quantized(values, "e4m3", scale)
+        return np.concatenate([scale.view(np.uint8), q.view(np.uint8)], axis=1)
 
 
 class UnknownWeightFormat(ValueError):
@@ -226,12 +300,16 @@ def _q6_k_quantize(x: np.ndarray) -> np.ndarray:
                            sc.astype(np.int8).view(np.uint8), _fp16_bytes(d16)], axis=1)
 
 
-WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
+WEIGHT_FORMATS: dict[str, WeightFormat | ScaledFp8] = {f.name: f for f in (
     WeightFormat("q8_0", 32, 34, "Q8_0", _q8_0_dequantize, _q8_0_quantize),
     WeightFormat("q4_0", 32, 18, "Q4_0", _q4_0_dequantize, _q4_0_quantize),
     WeightFormat("q4_k", QK_K, 144, "Q4_K", _q4_k_dequantize, _q4_k_quantize),
     WeightFormat("q6_k", QK_K, 210, "Q6_K", _q6_k_dequantize, _q6_k_quantize),
+    ScaledFp8("fp8_e4m3_channel", per_row=True),
+    ScaledFp8("fp8_e4m3_tensor", per_row=False),
 )}
+# fp8 weight formats -> (fp8 kind, whether each row, an output channel, has its own scale)
+FP8_WEIGHTS = {name: ("e4m3", fmt.per_row) for name, fmt in WEIGHT_FORMATS.items() if isinstance(fmt, ScaledFp8)}
 
 
 # ---- activations: x rounded to blocks before a product, as llama.cpp's CPU path does ---------------
@@ -263,13 +341,17 @@ ACTIVATION_ROUNDINGS: dict[str, tuple[int, Callable[[np.ndarray], np.ndarray]]] 
 
 
 def rounded_activations(x: np.ndarray, name: str) -> np.ndarray:
-    """x rounded to the activation blocks ``name`` along its last axis (a last, partial block padded with
-    zeros), from x in float32, as llama.cpp's CPU path rounds it before a product with quantized weights
-    (tests/test_llama_cpp.py holds it against the engine): the exact values (float64), a scale times an
-    integer each.  The rounding a declared activation format stands for (docs/quantized.md)."""
-    block, rounding = ACTIVATION_ROUNDINGS[name]
+    """x rounded to the activation format ``name`` along its last axis: to blocks (a last, partial block
+    padded with zeros), from x in float32, as llama.cpp's CPU path rounds it before a product with quantized
+    weights (tests/test_llama_cpp.py holds it against the engine), or to fp8 with a dynamic scale per row
+    (a token) or per tensor (``FP8_ACTIVATIONS``, ``rounded_to_fp8``): the exact values (float64), a scale
+    times an integer or an fp8 value each.  The rounding a declared activation format stands for
+    (docs/quantized.md)."""
     x = np.asarray(x)
     K = x.shape[-1]
+    if name in FP8_ACTIVATIONS:
+        return rounded_to_fp8(x.reshape(-1, K), *FP8_ACTIVATIONS[name]).reshape(x.shape)
+    block, rounding = ACTIVATION_ROUNDINGS[name]
     rows = np.zeros((int(np.prod(x.shape[:-1], dtype=np.int64)), -(-K // block) * block), dtype=np.float32)
     rows[:, :K] = x.reshape(-1, K)
     return rounding(rows.reshape(-1, block)).reshape(len(rows), -1)[:, :K].reshape(x.shape)
@@ -277,14 +359,13 @@ def rounded_activations(x: np.ndarray, name: str) -> np.ndarray:
 
 # ---- the KV cache in fp8: fp8(x / s) stored, fp8 * s read back (vLLM's kv_cache_dtype="fp8_e4m3") ----
 
-FP8 = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
-
-
 def stored_in_fp8(x: np.ndarray, name: str, scale: float) -> np.ndarray:
-    """fp8(x / scale) as a KV cache stores it: x in float32 times the float32 inverse of the scale, rounded
-    to the nearest fp8 value (e4m3fn's NaN and e5m2's inf past their range)."""
+    """fp8(x / scale) as a KV cache in ``name`` (``fp8_e4m3``, ``fp8_e5m2``) stores it: x in float32 times the
+    float32 inverse of the scale, rounded to the nearest fp8 value (e4m3fn's NaN and e5m2's inf past their
+    range)."""
     with np.errstate(over="ignore"):
-        return (np.asarray(x, dtype=np.float32) * (np.float32(1) / np.float32(scale))).astype(FP8[name])
+        return (np.asarray(x, dtype=np.float32) * (np.float32(1) / np.float32(scale))).astype(
+            FP8_TYPES[name.removeprefix("fp8_")])
 
 
 def read_from_fp8(stored: np.ndarray, scale: float, dtype) -> np.ndarray:

@@ -37,6 +37,7 @@ import numpy as np
 
 from gemma4_conformance import spec
 from gemma4_conformance.adapters import kv_cache_format
+from gemma4_conformance.checkpoints.quantized import FP8_ACTIVATIONS, FP8_WEIGHTS
 from gemma4_conformance.spec import format_of, scale_ulp
 from gemma4_conformance.spec.compiled import jit
 
@@ -505,8 +506,8 @@ def activation_rounding(x, name: str) -> np.ndarray:
 
 
 def _moved(W, x, name):
-    """sum_k |W_nk| |x_k - x^_k| per output (activation_rounding): how far x^ moves a dot product."""
-    return activation_rounding(x, name) @ np.abs(W).T
+    """sum_k |W_nk| |x_k - x^_k| per output (input_rounding): how far x^ moves a dot product."""
+    return input_rounding(x, name) @ np.abs(W).T
 
 
 def declared_activations(args, dtype, name):
@@ -522,24 +523,116 @@ def lm_head_declared_activations(args, dtype, name):
     at x^ is lm_head's with |y| + |mul| T, the dot products' magnitudes + T and the logits T nearer the
     cap's steep part, minus the scale at x (a constant output, cap 0, moves nothing)."""
     mul, cap, W, x = args
-    moved = _moved(W, x, name)
+    return _lm_head_moved(mul, cap, W, x, dtype, _moved(W, x, name))
+
+
+def _lm_head_moved(mul, cap, W, x, dtype, moved, before=0.0):
+    """lm_head's (scale's increase, term) for logits moved by ``moved`` beyond ``before`` (what another
+    declared rounding moves them by, whose own increase that rounding's term holds)."""
     if cap == 0:
         return np.zeros_like(moved), np.zeros_like(moved)
     if cap is None:
         return abs(mul) * moved, abs(mul) * moved
     dots, _, logits = _products(x, W, signed=True)
     K = x.shape[-1]
-    at_x = _capped_scale(mul, cap, 0.0, dots, logits, K, dtype)  # |y| left out of both: it cancels
-    nearer = np.maximum(np.abs(logits) - moved, 0.0)
-    at_rounded = _capped_scale(mul, cap, abs(mul) * moved, dots + moved, nearer, K, dtype)
-    return np.maximum(at_rounded - at_x, 0.0), abs(mul) * moved
+
+    def at(m):  # |y| left out: it cancels
+        nearer = np.maximum(np.abs(logits) - m, 0.0)
+        return _capped_scale(mul, cap, abs(mul) * m, dots + m, nearer, K, dtype)
+
+    return np.maximum(at(before + moved) - at(before), 0.0), abs(mul) * moved
+
+
+# ---- fp8 inputs of the products (issue 36, item 4) ---------------------------------------------------
+#
+# torch._scaled_mm and the fp8 GEMMs of the H100 and H200 multiply fp8 operands (float8_e4m3fn,
+# float8_e5m2), accumulate the exact products in float32 and multiply by the operands' float32 scales:
+# dynamic scaling (vLLM's and torchao's) takes s = max |x| / M over a row (a token of x, an output channel
+# of W) or the whole tensor, q = fp8(x / s), so x^ = s q.  The derivation is fp8_rounding's docstring and
+# tolerances.yaml's ``declared``.
+
+# significand bits after the point, the exponent of the smallest normal, the largest finite value (e4m3fn
+# has no inf: 0x7f is NaN and 448 = 1.75 * 2^8 its largest; e5m2 is IEEE-like, 57344 then inf)
+FP8 = {"e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0)}
+# declared format -> (fp8 kind, whether each row has its own scale: a token of x, an output channel of W)
+F32_SUBNORMAL = 2.0**-149  # float32's smallest subnormal: below its normal range roundings are absolute
+F32_LARGEST = float(np.finfo(np.float32).max)
+
+
+def fp8_rounding(values, kind: str, per_row: bool) -> np.ndarray:
+    """Per element, a bound on |x - x^| for x^ = s q, q = fp8(x / s), s = a / M in float32, a = max |x|
+    over the scale's group (a row along the last axis, or the whole tensor), M the format's largest:
+
+        |x - x^| <= ((1 + u)^3 - 1) |x| + s (1 + v) ulp(t) / 2 + (1 + s (1 + v)) 2^-149,
+        t = min(M, (|x| (1 + u)^3 + 2^-149) / (s (1 - v))),
+
+    u float32's unit roundoff, v = 2 u + u^2, ulp(t) the fp8 spacing at t (2^(max(floor(log2 t), emin)
+    - m), m significand bits after the point, emin the smallest normal exponent: subnormals included).
+    The engine takes x in float32 (within u, and 2^-150 below float32's normal range), forms s' (a in
+    float32, then the quotient: within v s of s) and t' = x / s' in float32 (a quotient, or an inverse and
+    a product: (1 + u)^3 with x's rounding, plus 2^-150 where t' is subnormal in float32), and q the
+    nearest fp8 to t': x - s' q = (x - s' t') + s' (t' - q), |t' - q| at most half the fp8 spacing at
+    |t'| <= t.  The GEMM multiplies by s' itself (float32), so no stored scale rounds.  |t'| passes M by
+    at most (1 + u)^3 / (1 - v), far below the next value's half-way point (464 for e4m3, 61440 for
+    e5m2): dynamic scaling never saturates.  An element 0 is exact (t' = 0), and so is a group of zeros
+    (an engine scales it by anything finite).  Below float32's normal range s' rounds absolutely: a scale
+    under 2^-126 (a < M 2^-126) has no relative bound, and a group past float32's range (a float64 x)
+    is inf in float32: both are inf here."""
+    m, emin, largest = FP8[kind]
+    x = np.abs(np.asarray(values, dtype=np.float64))
+    a = x.max(axis=-1, keepdims=True) if per_row else np.full((1,) * x.ndim, x.max(initial=0.0))
+    s = a / largest
+    u = U32
+    v = 2 * u + u * u
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.minimum(largest, (x * (1 + u) ** 3 + F32_SUBNORMAL) / (s * (1 - v)))
+        spacing = np.exp2(np.maximum(np.floor(np.log2(t)), emin) - m)
+    bound = ((1 + u) ** 3 - 1) * x + s * (1 + v) * spacing / 2 + (1 + s * (1 + v)) * F32_SUBNORMAL
+    bound = np.where(x == 0, 0.0, bound)
+    return np.where(((s > 0) & (s < 2.0**-126)) | (a > F32_LARGEST), np.inf, bound)
+
+
+def input_rounding(x, name: str) -> np.ndarray:
+    """Per element, the bound on |x - x^| of the declared activation format ``name``."""
+    if name in FP8_ACTIVATIONS:
+        return fp8_rounding(x, *FP8_ACTIVATIONS[name])
+    return activation_rounding(x, name)
+
+
+def _rounded_magnitude(x, activations):
+    """|x^_k| <= |x_k| + |x_k - x^_k|: the activations a rounded W meets (x itself where none are declared)."""
+    return np.abs(x) + input_rounding(x, activations) if activations else np.abs(x)
+
+
+def declared_weights(args, dtype, name, activations=None):
+    """linear and gate_up with W held in an fp8 format: W x - W^ x^ = W (x - x^) + (W - W^) x^, the first
+    the activations' term, the second at most T = sum_k |W_nk - W^_nk| |x^_k| (this term); the scale at
+    (W^, x^) is at most the scale at (W, x) plus both.  A checkpoint's block format (q8_0, ...) has no
+    term: the reference runs on its exact values (None)."""
+    if name not in FP8_WEIGHTS:
+        return None
+    *weights, x = args
+    rounded = _rounded_magnitude(x, activations)
+    term = np.concatenate([rounded @ fp8_rounding(W, *FP8_WEIGHTS[name]).T for W in weights], axis=-1)
+    return term, term
+
+
+def lm_head_declared_weights(args, dtype, name, activations=None):
+    """lm_head with W held in an fp8 format: the logit moves by declared_weights' T beyond the
+    activations' move (the cap's slope taken at both), y by |mul| T."""
+    if name not in FP8_WEIGHTS:
+        return None
+    mul, cap, W, x = args
+    before = _moved(W, x, activations) if activations else 0.0
+    moved = _rounded_magnitude(x, activations) @ fp8_rounding(W, *FP8_WEIGHTS[name]).T
+    return _lm_head_moved(mul, cap, W, x, dtype, moved, before)
 
 
 # ---- A declared KV cache format: what storing k and v in fp8 adds to the attention ops ----------------
 
 # fp8 formats of a KV cache: (significant bits p, implicit bit included; exponent of the smallest normal;
-# largest finite value).  e4m3 is e4m3fn: no infinity, 448 its largest (vLLM's and the H100's fp8_e4m3).
-KV_CACHE_FORMATS = {"fp8_e4m3": (4, -6, 448.0), "fp8_e5m2": (3, -14, 57344.0)}
+# largest finite value), from FP8's.  e4m3 is e4m3fn (vLLM's and the H100's fp8_e4m3).
+KV_CACHE_FORMATS = {f"fp8_{kind}": (bits + 1, emin, largest) for kind, (bits, emin, largest) in FP8.items()}
 _SPREAD_BLOCK = 1 << 22  # elements of [S, Hkv, G, L, a block of D] the KV term holds at a time: 32 MiB
 
 

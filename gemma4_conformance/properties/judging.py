@@ -150,6 +150,19 @@ class BeyondDeclared(Exception):
     fp8's): its term has no bound there, and the example is outside what the declaration covers."""
 
 
+def declared_formats_hold(op: str, args: tuple, dtype: str, formats: dict[str, str]) -> bool:
+    """Whether the declared ``formats`` hold ``args`` (BeyondDeclared where they cannot): what lies
+    beyond them is outside every verdict on a declaring engine, the relations' too."""
+    if not formats:  # an adapter that declares nothing: nothing to compute
+        return True
+    try:
+        with one_blas_thread():
+            _declared_terms(OPS[op], args, dtype, formats)
+    except BeyondDeclared:
+        return False
+    return True
+
+
 def _declared_terms(entry, args, dtype, formats: dict[str, str]):
     """(formats, the scale's increase, the terms, the second tier's scale increase and terms) summed per
     output element over the declared roundings ``entry`` has terms for, on the whole output; None where
@@ -160,13 +173,26 @@ def _declared_terms(entry, args, dtype, formats: dict[str, str]):
         return None
     wide = tuple(widen(a) for a in args)  # the declared terms' products take W whole
     with np.errstate(invalid="ignore", over="ignore"):  # an unbounded element: inf, or inf times 0
-        terms = {key: tuple(entry.declared[key](wide, dtype, name)) for key, name in declared.items()}
+        terms = {key: _term(entry, key, wide, dtype, declared) for key in declared}
+    terms = {key: tuple(term) for key, term in terms.items() if term is not None}  # a format without a term
+    if not terms:
+        return None
+    declared = {key: declared[key] for key in terms}
     for key, parts in terms.items():
         if not all(np.isfinite(part).all() for part in parts):
             raise BeyondDeclared(f"the declared {key} format {declared[key]} cannot hold these inputs (they are "
-                                 f"past its range, or a block's scale is), so its rounding has no bound here")
+                                 f"past its range, or a scale is past the range it is held in), so its rounding "
+                                 f"has no bound here")
     parts = [parts if len(parts) == 4 else parts * 2 for parts in terms.values()]
     return (declared, *(sum(part[i] for part in parts) for i in range(4)))
+
+
+def _term(entry, key, wide, dtype, declared):
+    """One declared rounding's (scale's increase, term), or None: rounded weights meet the rounded
+    activations, so their term reads the activations' format."""
+    if key == "weights":
+        return entry.declared[key](wide, dtype, declared[key], declared.get("activations"))
+    return entry.declared[key](wide, dtype, declared[key])
 
 
 def _assess(entry, args, out, dtype, seed, work, first_stage, fallback, declared) -> Verdict:

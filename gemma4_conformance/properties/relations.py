@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
+from gemma4_conformance.adapters import declared_formats
 from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.spec import CONTRACT, format_of, scale_ulp
 from gemma4_conformance.spec.exact import widen
 
 from .budget import ACCUMULATION, budget
+from .judging import declared_formats_hold
 from .table import OPS, build, cases
 
 
@@ -187,7 +189,10 @@ def softcap_is_bounded_and_saturates(adapter, case, dtype):
 # Linear ----------------------------------------------------------------------------------------------
 
 def gate_up_is_two_linears(adapter, case, dtype):
+    """Domain: the inputs the adapter's declared formats hold (none declared: all)."""
     Wg, Wu, x = args = build("gate_up", case, dtype)
+    if not declared_formats_hold("gate_up", args, dtype, declared_formats(adapter)):
+        return []
     fused = call(adapter, "gate_up", args, dtype)
     halves = np.concatenate([call(adapter, "linear", (Wg, x), dtype), call(adapter, "linear", (Wu, x), dtype)], -1)
     return compare("gate_up vs [linear(Wg, x) | linear(Wu, x)]", fused, halves,
@@ -199,10 +204,13 @@ def lm_head_without_cap_is_scaled_linear(adapter, case, dtype):
 
     Domain: the entries where mul * linear(W, x), widened by both sides' allowances, lies inside the
     dtype's finite range. Outside it the spec's lm_head rounds to +-inf (or may, near the edge) while
-    mul times a finite linear does not, so the two sides are not the same value of the dtype."""
+    mul times a finite linear does not, so the two sides are not the same value of the dtype. And the
+    inputs the adapter's declared formats hold."""
     mul, cap, W, x = build("lm_head", case, dtype)
     mul = 2.0 ** round(np.log2(abs(mul) or 1.0))  # a power of two, so mul * linear is exact
     args = (mul, None, W, x)
+    if not declared_formats_hold("lm_head", args, dtype, declared_formats(adapter)):
+        return []
     a = call(adapter, "lm_head", args, dtype)
     b = mul * _f64(call(adapter, "linear", (W, x), dtype))
     tolerance = 2 * allowance("lm_head", dtype, args, np.where(np.isfinite(b), b, 0))

@@ -220,7 +220,8 @@ class OpEntry:
     # holds the masked elements, for the oracle to judge what the first stage could not.
     restrict: Callable | None = None
     # Declared roundings (an adapter's ``formats``): key -> (args as float64, dtype, format) -> (the
-    # scale's increase, the term added to the absolute allowance) per output element (error_models,
+    # scale's increase, the term added to the absolute allowance) per output element, or None for a format
+    # without a term; ``weights`` also gets the declared activations' format (error_models,
     # tolerances.yaml's ``declared``)
     declared: dict[str, Callable] = field(default_factory=dict)
     attention: error_models.AttentionInputs | None = None  # an attention op's arguments as queries
@@ -272,10 +273,10 @@ OPS: dict[str, OpEntry] = {
         entry("rope_std", error_models.rope, rope, strategies.rope),
         entry("linear", error_models.inner_products, matrix, strategies.linear, edge_cases=strategies.linear_edges,
               real_size_cases=real_size.linear, prepare=strategies.cancel_dot, blocks=ROW_BLOCKS,
-              declared={"activations": error_models.declared_activations}),
+              declared={"activations": error_models.declared_activations, "weights": error_models.declared_weights}),
         entry("gate_up", error_models.inner_products, matrix, strategies.linear, edge_cases=strategies.linear_edges,
               real_size_cases=real_size.gate_up, prepare=strategies.cancel_dot, blocks=ROW_BLOCKS,
-              declared={"activations": error_models.declared_activations}),
+              declared={"activations": error_models.declared_activations, "weights": error_models.declared_weights}),
         entry("silu_mul", error_models.silu_mul, elementwise, partial(strategies.elementwise, halves=True)),
         entry("gelu_mul", error_models.gelu_mul, elementwise, partial(strategies.elementwise, halves=True),
               edge_cases=partial(strategies.gelu_edges, halves=True)),
@@ -285,7 +286,8 @@ OPS: dict[str, OpEntry] = {
               lambda args: {"capped": float(args[1] is not None)}, overflows=error_models.lm_head_logit_overflows,
               edge_cases=partial(strategies.linear_edges, head=True), real_size_cases=real_size.lm_head,
               prepare=strategies.cancel_dot, blocks=ROW_BLOCKS,
-              declared={"activations": error_models.lm_head_declared_activations}),
+              declared={"activations": error_models.lm_head_declared_activations,
+                        "weights": error_models.lm_head_declared_weights}),
         entry("softmax", error_models.softmax, norm, strategies.softmax, edge_cases=strategies.softmax_edges,
               real_size_cases=real_size.softmax, prepare=strategies.offset_logits),
         entry("causal_gqa", error_models.causal_gqa, attention, strategies.attention,
