@@ -4,12 +4,14 @@ suite does not share); the quantizers; mutants of the dequantization caught by t
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import shutil
 import struct
 from fractions import Fraction
 from functools import partial
+from pathlib import Path
 
 import gguf  # the test extra installs it: without it the bit-exactness check must fail, not skip
 import ml_dtypes
@@ -79,6 +81,38 @@ def test_dequantization_is_bit_exact_against_gguf(name):
     values = fmt.dequantize(rows)
     assert values.shape == (64, 64 * fmt.block) and values.dtype == np.float64 and np.isfinite(values).all()
     np.testing.assert_array_equal(values.reshape(-1, fmt.block), fmt.dequantize_blocks(blocks[:4096]))
+
+
+def ggml_dequantizer(fmt):
+    """llama.cpp's own ``dequantize_row_<type>`` (ggml-quants.c, float32 out) from the ggml library that
+    llama-cpp-python ships; skips where it is not installed."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    library = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    function = getattr(library, f"dequantize_row_{fmt.ggml_type.lower().replace('_k', '_K')}")
+    function.argtypes, function.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+
+    def dequantize(blocks):
+        blocks = np.ascontiguousarray(blocks)
+        out = np.empty((len(blocks), fmt.block), dtype=np.float32)
+        function(blocks.ctypes.data, out.ctypes.data, out.size)
+        return out
+
+    return dequantize
+
+
+@pytest.mark.parametrize("name", GGUF_FORMATS)
+def test_dequantization_is_bit_exact_against_llama_cpp(name):
+    """The same blocks through llama.cpp's own dequantization (its float32 values: ours rounded to float32
+    bit for bit, and for the formats whose values float32 holds, ours exactly)."""
+    fmt = WEIGHT_FORMATS[name]
+    blocks = random_blocks(fmt, 4096, seed=len(name) + fmt.block_bytes)
+    ours, theirs = fmt.dequantize_blocks(blocks), ggml_dequantizer(fmt)(blocks)
+    wrong = ours.astype(np.float32).view(np.uint32) != theirs.view(np.uint32)
+    if name != "q4_k":
+        wrong |= ours != theirs.astype(np.float64)
+    assert int(wrong.sum()) == 0
+    misread = fmt.dequantize_blocks(scales_in_bfloat16(name, blocks))  # the check can fail
+    assert (misread.astype(np.float32).view(np.uint32) != theirs.view(np.uint32)).any()
 
 
 def test_q4_k_values_are_exact_where_float32_rounds():
