@@ -111,7 +111,8 @@ def test_dequantization_is_bit_exact_against_llama_cpp(name):
     if name != "q4_k":
         wrong |= ours != theirs.astype(np.float64)
     assert int(wrong.sum()) == 0
-    misread = fmt.dequantize_blocks(scales_in_bfloat16(name, blocks))  # the check can fail
+    with np.errstate(invalid="ignore"):  # a scale rounded up to bfloat16's inf times a zero
+        misread = fmt.dequantize_blocks(scales_in_bfloat16(name, blocks))  # the check can fail
     assert (misread.astype(np.float32).view(np.uint32) != theirs.view(np.uint32)).any()
 
 
