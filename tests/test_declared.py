@@ -526,3 +526,19 @@ def test_the_relations_leave_out_inputs_the_declared_formats_cannot_hold(engine)
     swapped = Fp8Products("numpy-fp8-swapped", FP8_FORMATS)
     swapped.gate_up = lambda Wg, Wu, x: FP8_DECLARED.gate_up(Wu, Wg, x)
     assert relation.check(swapped, held, "float64")
+
+
+def test_an_lm_head_logit_the_declared_rounding_moves_past_float16_may_overflow():
+    """lm_head in float16, mul 0.5: the logit on x (65373.75, within its accumulation's error) rounds to a
+    finite float16, but on x rounded to q8_0 (65669) it rounds to inf, and mul * inf is inf, where the exact
+    output is 32687.  Given the declaration the inf is accepted as the modelled arrangement's overflow on the
+    declared x^; undeclared it fails."""
+    x = np.full((1, 32), 100.51 / 127, dtype=np.float16)
+    x[0, 0] = 1.0
+    W = np.full((1, 32), 2560.0, dtype=np.float16)
+    with np.errstate(over="ignore"):
+        assert np.float16((rounded_activations(x, "q8_0") @ W.astype(np.float64).T)[0, 0]) == np.inf
+    args, out = (0.5, None, W, x), np.full((1, 1), np.inf, dtype=np.float16)
+    assert assess("lm_head", args, out, "float16", formats={"activations": "q8_0"}).passed
+    undeclared = assess("lm_head", args, out, "float16")
+    assert not undeclared.passed and "inf at" in undeclared.failures[0], undeclared.failures

@@ -258,16 +258,20 @@ def _capped_scale(mul, cap, magnitude, dots, logits, K, dtype):
     return magnitude + np.abs(mul) * slope * dots
 
 
-def lm_head_logit_overflows(args, exact, dtype):
+def lm_head_logit_overflows(args, exact, dtype, declared=0.0):
     """Where the model's own logit L = sum_k x_k W_vk, rounded to D before the product with mul, may
     round past D's largest finite value: there the spec's mul * L can be finite (mul < 1) while the
     arrangement the budget models gives +-inf, so an inf with the exact result's sign is accepted.
-    L's error in A (gamma_K) and of the float64 product here count towards reaching the overflow."""
+    L's error in A (gamma_K) and of the float64 product here count towards reaching the overflow, and so
+    does what the declared roundings move L by: ``declared``, their term on the output, is |mul| times
+    it (lm_head_declared_activations, and the fp8 weights' term likewise)."""
     mul, cap, W, x = args
     K = x.shape[-1]
     f = format_of(dtype)
     dots, _, logits = _products(x, W, signed=True)
     uncertainty = (K * format_of(ACCUMULATION[dtype]).eps + K * 2.0**-52) * dots
+    if mul != 0:
+        uncertainty = uncertainty + np.asarray(declared) / abs(mul)
     # the least magnitude that rounds to inf (Python floats: float64's is past its own range, inf)
     overflow = f.max_finite + float(scale_ulp(f.max_finite, dtype)) / 2
     return np.abs(logits) + uncertainty >= overflow

@@ -436,7 +436,8 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
         undecided_in = ~finite & np.isnan(expected) & ~np.isnan(got64)
         right_inf = np.isinf(got64) & (got64 == expected)
         if entry.overflows is not None:
-            may = np.broadcast_to(entry.overflows(_widened(args, op), exact64, dtype), got.shape)
+            term = 0.0 if declared is None else declared[2].reshape(np.shape(exact64))
+            may = np.broadcast_to(entry.overflows(_widened(args, op), exact64, dtype, term), got.shape)
             signed = np.isinf(got64) & may & (np.sign(got64) == np.sign(exact64))
             undecided_in |= signed & ~right_inf & (np.abs(exact64) <= stage.rad)
             right_inf |= signed
