@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from gemma4_conformance.adapters import declared_formats
 from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.spec import CONTRACT, format_of, scale_ulp
-from gemma4_conformance.spec.exact import widen
+from gemma4_conformance.spec.exact import one_blas_thread, widen
 
 from .budget import ACCUMULATION, budget
 from .judging import declared_formats_hold
@@ -37,7 +37,8 @@ def allowance(op: str, dtype: str, args: tuple, reference: np.ndarray) -> np.nda
     """The absolute error the op's budget allows at ``args``, with ``reference`` standing in for the
     exact result in its error model (the scale needs only its magnitude)."""
     ref = np.asarray(reference, dtype=np.float64)
-    scale, flush = OPS[op].scale(tuple(widen(a) for a in args), ref, dtype)
+    with one_blas_thread():  # the error models' small products, as the judge runs them
+        scale, flush = OPS[op].scale(tuple(widen(a) for a in args), ref, dtype)
     dims, _ = CONTRACT[op].bind(*args)
     allowed = budget(op, dtype).ulps(**dims, **OPS[op].quantities(args))
     return allowed * scale_ulp(np.broadcast_to(scale, ref.shape), dtype) + np.broadcast_to(flush, ref.shape)
