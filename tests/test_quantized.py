@@ -23,7 +23,7 @@ from gemma4_conformance.checkpoints import generate
 from gemma4_conformance.checkpoints.checkpoint import FORMATS_KEY, CheckpointError, load
 from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, ScaledFp8, UnknownWeightFormat, weight_format
 from gemma4_conformance.properties.forward import reference
-from tests.quantized_engines import SCALES, min_with_wrong_sign, scales_in_bfloat16, set_scale
+from tests.quantized_engines import SCALES, int4_zero_point_ignored, min_with_wrong_sign, scales_in_bfloat16, set_scale
 
 #: fp16 bit patterns at the edges: zeros, the smallest and largest subnormals, the smallest normal, one, the
 #: largest finite value, and their negatives
@@ -245,7 +245,10 @@ def fp16_value(bits: int) -> Fraction:
     """An fp16 bit pattern's value from its fields (sign, 5 exponent bits biased by 15, 10 mantissa bits;
     the exponent 0 subnormal): apart from numpy, which the format reads with. Finite patterns only."""
     sign, exponent, mantissa = bits >> 15, (bits >> 10) & 0x1F, bits & 0x3FF
-    magnitude = Fraction(mantissa, 2 ** 24) if exponent == 0 else Fraction(1024 + mantissa, 2 ** 10) * Fraction(2) ** (exponent - 15)
+    if exponent == 0:
+        magnitude = Fraction(mantissa, 2 ** 24)
+    else:
+        magnitude = Fraction(1024 + mantissa, 2 ** 10) * Fraction(2) ** (exponent - 15)
     return -magnitude if sign else magnitude
 
 
@@ -268,6 +271,8 @@ def test_int4_dequantization_is_exact_against_integers_and_fractions(name):
                  for byte in group[3:] for q in (int(byte) % 16, int(byte) // 16)] for b, group in zip(bits, blocks)]
     assert [[Fraction(float(v)) for v in row] for row in ours.reshape(len(blocks), -1)] == expected
     assert (ours.reshape(len(blocks), -1)[:len(EDGE_SCALES)] != 0).any(axis=1).sum() == 8  # the edges reach values
+    misread = fmt.dequantize_blocks(int4_zero_point_ignored(name, blocks))  # the check can fail
+    assert [[Fraction(float(v)) for v in row] for row in misread.reshape(len(blocks), -1)] != expected
 
 
 @pytest.mark.parametrize("name", INT4_FORMATS)
