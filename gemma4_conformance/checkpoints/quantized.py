@@ -45,6 +45,7 @@ AWQ's pseudo-quantizer (``pseudo_quantize_tensor``): by each group's min and max
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -309,6 +310,22 @@ def _q6_k_quantize(x: np.ndarray) -> np.ndarray:
 
 # ---- int4 with group scales (AWQ, GPTQ): per group of G values, fp16 s, 4-bit zero z, 4-bit q; x = s * (q - z)
 
+def _int4_dequantize(G: int, blocks: np.ndarray) -> np.ndarray:
+    q = np.stack([blocks[:, 3:] & 0x0F, blocks[:, 3:] >> 4], axis=-1).reshape(len(blocks), G)
+    return _fp16(blocks[:, :2])[:, None] * (q.astype(np.int64) - (blocks[:, 2:3] & 0x0F))
+
+
+def _int4_quantize(x: np.ndarray) -> np.ndarray:
+    # AWQ: s = (max - min) / 15 (at least 1e-5), z = round(-min / s) and q = round(x / s) + z, both clamped
+    # to 0..15 (halves to even, as torch.round); here from s once stored in fp16, so that the values are
+    # those the stored s gives.
+    low, high = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+    s = np.maximum((high - low) / np.float32(15), np.float32(1e-5)).astype(np.float16).astype(np.float32)
+    z = np.clip(np.rint(-low / s), 0, 15)
+    q = np.clip(np.rint(x / s) + z, 0, 15).astype(np.uint8)
+    return np.concatenate([_fp16_bytes(s), z.astype(np.uint8), q[:, 0::2] | (q[:, 1::2] << 4)], axis=1)
+
+
 def _int4_group(G: int) -> WeightFormat:
     """AWQ's and GPTQ's asymmetric int4 with groups of ``G`` consecutive input features of a row (their
     checkpoints hold an fp16 scale per group and the zero points packed as 4-bit integers, ``qzeros``), in
@@ -316,22 +333,7 @@ def _int4_group(G: int) -> WeightFormat:
     point z (1 byte: the low nibble, the high one written 0 and not read), then the G values' 4-bit q two to
     a byte, value 2j in the low nibble of byte j and 2j + 1 in its high one (GPTQ's order: its ``qweight``
     packs 8 consecutive values in an int32 from the low bits up).  x = s * (q - z)."""
-
-    def dequantize(blocks: np.ndarray) -> np.ndarray:
-        q = np.stack([blocks[:, 3:] & 0x0F, blocks[:, 3:] >> 4], axis=-1).reshape(len(blocks), G)
-        return _fp16(blocks[:, :2])[:, None] * (q.astype(np.int64) - (blocks[:, 2:3] & 0x0F))
-
-    def quantize(x: np.ndarray) -> np.ndarray:
-        # AWQ: s = (max - min) / 15 (at least 1e-5), z = round(-min / s) and q = round(x / s) + z, both
-        # clamped to 0..15 (halves to even, as torch.round); here from s once stored in fp16, so that the
-        # values are those the stored s gives.
-        low, high = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
-        s = np.maximum((high - low) / np.float32(15), np.float32(1e-5)).astype(np.float16).astype(np.float32)
-        z = np.clip(np.rint(-low / s), 0, 15)
-        q = np.clip(np.rint(x / s) + z, 0, 15).astype(np.uint8)
-        return np.concatenate([_fp16_bytes(s), z.astype(np.uint8), q[:, 0::2] | (q[:, 1::2] << 4)], axis=1)
-
-    return WeightFormat(f"int4_g{G}", G, 3 + G // 2, None, dequantize, quantize)
+    return WeightFormat(f"int4_g{G}", G, 3 + G // 2, None, partial(_int4_dequantize, G), _int4_quantize)
 
 
 WEIGHT_FORMATS: dict[str, WeightFormat | ScaledFp8] = {f.name: f for f in (
