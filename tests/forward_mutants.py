@@ -19,7 +19,8 @@ from gemma4_conformance.adapters import numpy_backend
 from gemma4_conformance.checkpoints.config import TextConfig
 from gemma4_conformance.composition.graph import AdapterOps
 from gemma4_conformance.spec.model import forward
-from tests.quantized_engines import dequantized_wrongly, fp8_scales_in_bfloat16, min_with_wrong_sign, scales_in_bfloat16
+from tests.quantized_engines import (dequantized_wrongly, fp8_scales_in_bfloat16, int4_zero_point_ignored,
+                                    min_with_wrong_sign, scales_in_bfloat16)
 
 
 class Rewired(AdapterOps):
@@ -95,6 +96,8 @@ QUANTIZED = [
      "q4_k"),
     (ForwardMutant("fp8_scales_rounded_to_bfloat16", edit_weights=partial(dequantized_wrongly, fp8_scales_in_bfloat16)),
      "fp8_e4m3_channel"),
+    (ForwardMutant("int4_zero_point_ignored", edit_weights=partial(dequantized_wrongly, int4_zero_point_ignored)),
+     "int4_g32"),  # 32-value groups fit every matrix of the small geometry
 ]
 
 ADAPTERS = SimpleNamespace(**{mutant.name: mutant for mutant in MUTANTS + [m for m, _ in QUANTIZED]})

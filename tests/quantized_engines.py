@@ -136,6 +136,16 @@ def fp8_scales_in_bfloat16(name: str, rows: np.ndarray) -> np.ndarray:
     return out
 
 
+def int4_zero_point_ignored(name: str, blocks: np.ndarray) -> np.ndarray:
+    """int4 groups (tests' view of checkpoints.quantized's int4 layout: fp16 scale, zero point byte, values)
+    with the zero point 0: dequantized, s * q, as a reader that takes asymmetric int4 (AWQ's
+    ``zero_point=True``, GPTQ's ``sym=False``) for unsigned values without an offset does."""
+    assert name.startswith("int4_"), "only the int4 groups have a zero point"
+    out = blocks.copy()
+    out[:, 2] = 0
+    return out
+
+
 def dequantized_wrongly(mistake, weights):
     """The checkpoint's tensors, each quantized matrix read from its blocks with ``mistake``; a checkpoint
     without quantized matrices is refused (the mutant would be the reference)."""

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from gemma4_conformance.adapters import DECLARED_FORMATS, declared_formats, kv_cache_format
 from gemma4_conformance.checkpoints import checkpoint, generate
-from gemma4_conformance.checkpoints.quantized import (FP8_ACTIVATIONS, FP8_TYPES, WEIGHT_FORMATS, fp8_scale, read_from_fp8,
-                                                     rounded_activations, rounded_to_fp8, stored_in_fp8)
+from gemma4_conformance.checkpoints.quantized import (FP8_ACTIVATIONS, FP8_TYPES, WEIGHT_FORMATS, ScaledFp8, fp8_scale,
+                                                     read_from_fp8, rounded_activations, rounded_to_fp8, stored_in_fp8)
 from gemma4_conformance.composition.graph import composed
 from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties import error_models
@@ -335,7 +335,7 @@ def test_logits_that_may_move_by_hundreds_are_judged_within_the_values_spread():
 
 def test_the_declared_fp8_formats_are_those_with_a_term():
     assert set(FP8_ACTIVATIONS) <= set(DECLARED_FORMATS["activations"])
-    assert set(error_models.FP8_WEIGHTS) == {name for name, fmt in WEIGHT_FORMATS.items() if not fmt.ggml_type}
+    assert set(error_models.FP8_WEIGHTS) == {name for name, fmt in WEIGHT_FORMATS.items() if isinstance(fmt, ScaledFp8)}
     assert set(error_models.FP8_WEIGHTS) <= set(DECLARED_FORMATS["weights"])
     for kind, (m, emin, largest) in error_models.FP8.items():
         info = ml_dtypes.finfo(FP8_TYPES[kind])
@@ -467,9 +467,13 @@ def test_each_fp8_declaration_covers_its_rounding_which_fails_undeclared(formats
     assert not judge(Fp8Products("numpy-fp8", None, activations, weights), op, case, dtype).passed
 
 
-def test_a_block_weight_format_adds_no_term():
+@pytest.mark.parametrize("name", ["q8_0", "int4_g128"])
+def test_a_block_weight_format_adds_no_term(name):
+    """A block format names the checkpoint's own weights, whose exact values the reference runs on: declaring
+    one covers no rounding, so an engine rounding x to fp8 behind it fails."""
+    assert name in DECLARED_FORMATS["weights"]
     op, dtype, case = CASES[0]
-    verdict = judge(Fp8Products("numpy-fp8-weights-said-q8_0", {"weights": "q8_0"}, None), op, case, dtype)
+    verdict = judge(Fp8Products(f"numpy-fp8-weights-said-{name}", {"weights": name}, None), op, case, dtype)
     assert not verdict.passed and verdict.formats == {}
 
 

@@ -1,7 +1,11 @@
 """Weight formats: GGUF's block formats ``q8_0``, ``q4_0``, ``q4_k`` and ``q6_k``, as llama.cpp defines
 them (``ggml-common.h`` for the block layouts, ``dequantize_row_*`` in ``ggml-quants.c`` for the values),
-and fp8: ``fp8_e4m3_channel`` and ``fp8_e4m3_tensor``, float8_e4m3fn values with a float32 scale per
-row (output channel) or per tensor, as vLLM's and compressed-tensors' fp8 checkpoints hold them.
+fp8: ``fp8_e4m3_channel`` and ``fp8_e4m3_tensor``, float8_e4m3fn values with a float32 scale per
+row (output channel) or per tensor, as vLLM's and compressed-tensors' fp8 checkpoints hold them; and int4
+with group scales: ``int4_g128`` and ``int4_g32``, as AWQ (``zero_point=True``) and GPTQ (``sym=False``)
+checkpoints hold weights, per group of G consecutive input features of a row an fp16 scale s and a 4-bit
+zero point z, x = s * (q - z) with a 4-bit unsigned q.  GGUF has neither: fp8 and int4 are stored in the
+suite's own row layout (``ScaledFp8``, ``_int4_group``).
 
 A quantized tensor is exactly a set of real numbers: per block of values a scale (and, in ``q4_k``, a
 minimum) times small integers. Those numbers are the weights an engine running the file computes
@@ -19,6 +23,8 @@ and ``-24 <= e <= 5`` (65504 = 2047 * 2^5; the subnormals are ``a * 2^-24``, ``a
   ``|e - f| <= 29``, so that integer is below ``2^21 * 2^29 + 2^17 * 2^29 < 2^51``.
 
 * fp8: ``s * q``, s a float32 (24 significant bits), q an e4m3fn value (4): ``< 2^28``.
+* int4: ``s * (q - z)``, an fp16 s, ``0 <= q, z <= 15``: ``q - z`` is an exact integer, ``|q - z| <= 15``,
+  and ``a * |q - z| < 2^15``.
 
 Every product and the difference are below 2^53 in units of their last bit, so each float64
 operation above is exact (IEEE arithmetic returns the exact result when it is representable).
@@ -32,12 +38,14 @@ The quantizers (``WeightFormat.quantize``) are this module's own: ``gguf`` has n
 and the suite does not need the ``gguf`` package at run time (the tests use it as the independent
 reference). They choose scales by each block's range, more simply than llama-quantize's search for
 the best scales; that is no loss here, since W is whatever the blocks hold, not the values quantized.
-``q8_0`` and ``q4_0`` follow llama.cpp's reference quantizers (``quantize_row_*_ref``).
+``q8_0`` and ``q4_0`` follow llama.cpp's reference quantizers (``quantize_row_*_ref``); int4 follows
+AWQ's pseudo-quantizer (``pseudo_quantize_tensor``): by each group's min and max.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,7 +66,7 @@ class WeightFormat:
     name: str
     block: int
     block_bytes: int
-    ggml_type: str                                   # the name of the type in GGML and GGUF
+    ggml_type: str | None                            # the name of the type in GGML and GGUF (int4: none)
     dequantize_blocks: Callable[[np.ndarray], np.ndarray]  # uint8 [n, block_bytes] -> float64 [n, block]
     quantize_blocks: Callable[[np.ndarray], np.ndarray]    # float32 [n, block] -> uint8 [n, block_bytes]
     whole_tensors: ClassVar[bool] = False  # its blocks are quantized apart, so a writer may stream them
@@ -300,6 +308,34 @@ def _q6_k_quantize(x: np.ndarray) -> np.ndarray:
                            sc.astype(np.int8).view(np.uint8), _fp16_bytes(d16)], axis=1)
 
 
+# ---- int4 with group scales (AWQ, GPTQ): per group of G values, fp16 s, 4-bit zero z, 4-bit q; x = s * (q - z)
+
+def _int4_dequantize(G: int, blocks: np.ndarray) -> np.ndarray:
+    q = np.stack([blocks[:, 3:] & 0x0F, blocks[:, 3:] >> 4], axis=-1).reshape(len(blocks), G)
+    return _fp16(blocks[:, :2])[:, None] * (q.astype(np.int64) - (blocks[:, 2:3] & 0x0F))
+
+
+def _int4_quantize(x: np.ndarray) -> np.ndarray:
+    # AWQ: s = (max - min) / 15 (at least 1e-5), z = round(-min / s) and q = round(x / s) + z, both clamped
+    # to 0..15 (halves to even, as torch.round); here from s once stored in fp16, so that the values are
+    # those the stored s gives.
+    low, high = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+    s = np.maximum((high - low) / np.float32(15), np.float32(1e-5)).astype(np.float16).astype(np.float32)
+    z = np.clip(np.rint(-low / s), 0, 15)
+    q = np.clip(np.rint(x / s) + z, 0, 15).astype(np.uint8)
+    return np.concatenate([_fp16_bytes(s), z.astype(np.uint8), q[:, 0::2] | (q[:, 1::2] << 4)], axis=1)
+
+
+def _int4_group(G: int) -> WeightFormat:
+    """AWQ's and GPTQ's asymmetric int4 with groups of ``G`` consecutive input features of a row (their
+    checkpoints hold an fp16 scale per group and the zero points packed as 4-bit integers, ``qzeros``), in
+    the suite's own layout of 3 + G / 2 bytes per group: the fp16 scale s (2 bytes, little-endian), the zero
+    point z (1 byte: the low nibble, the high one written 0 and not read), then the G values' 4-bit q two to
+    a byte, value 2j in the low nibble of byte j and 2j + 1 in its high one (GPTQ's order: its ``qweight``
+    packs 8 consecutive values in an int32 from the low bits up).  x = s * (q - z)."""
+    return WeightFormat(f"int4_g{G}", G, 3 + G // 2, None, partial(_int4_dequantize, G), _int4_quantize)
+
+
 WEIGHT_FORMATS: dict[str, WeightFormat | ScaledFp8] = {f.name: f for f in (
     WeightFormat("q8_0", 32, 34, "Q8_0", _q8_0_dequantize, _q8_0_quantize),
     WeightFormat("q4_0", 32, 18, "Q4_0", _q4_0_dequantize, _q4_0_quantize),
@@ -307,6 +343,8 @@ WEIGHT_FORMATS: dict[str, WeightFormat | ScaledFp8] = {f.name: f for f in (
     WeightFormat("q6_k", QK_K, 210, "Q6_K", _q6_k_dequantize, _q6_k_quantize),
     ScaledFp8("fp8_e4m3_channel", per_row=True),
     ScaledFp8("fp8_e4m3_tensor", per_row=False),
+    _int4_group(128),  # AWQ's and GPTQ's default group size
+    _int4_group(32),   # fits every matrix of the small geometry (hidden size 64)
 )}
 # fp8 weight formats -> (fp8 kind, whether each row, an output channel, has its own scale)
 FP8_WEIGHTS = {name: ("e4m3", fmt.per_row) for name, fmt in WEIGHT_FORMATS.items() if isinstance(fmt, ScaledFp8)}
