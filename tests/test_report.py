@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 from datetime import datetime
 from html.parser import HTMLParser
@@ -20,7 +21,7 @@ from gemma4_conformance.properties.serving import Position, ServingRecord
 from gemma4_conformance.properties.trace import NodeVerdict, TraceVerdict
 from gemma4_conformance.report import data, schema
 from gemma4_conformance.report.__main__ import main
-from gemma4_conformance.report.record import Problem, Recorder
+from gemma4_conformance.report.record import OpRecord, Problem, Recorder
 
 ROPE_COMMAND = ("pytest -p gemma4_conformance.plugin --pyargs "
                 "'gemma4_conformance.properties.test_agreement::test_matches_oracle[torch-bfloat16-rope]' "
@@ -497,3 +498,10 @@ def test_the_command_names_a_bad_input_file(tmp_path, capsys):
 def test_each_backends_unsupported_ops_and_serving_are_one_line(page):
     section = _section(page, "conformance", "matrix")
     assert section.count("not implemented") == 1 and "1 op not implemented: linear" in section
+
+
+def test_a_quantile_that_reaches_an_infinite_error_reads_inf():
+    """numpy interpolates towards an inf as inf - inf, NaN: the report's p99 of a result with an infinite
+    error is inf, its median the finite errors' where the inf is past it."""
+    record = OpRecord("numpy", "float32", "linear", per_example=[1.0, 2.0, 3.0, math.inf])
+    assert record.quantile(0.99) == math.inf and record.quantile(0.5) == 2.5

@@ -115,7 +115,13 @@ class OpRecord:
         return self.budget / self.worst_ulps if self.worst_ulps else float("inf")
 
     def quantile(self, q: float) -> float:
-        return float(np.quantile(self.per_example, q)) if self.per_example else 0.0
+        if not self.per_example:
+            return 0.0
+        with np.errstate(invalid="ignore"):
+            value = float(np.quantile(self.per_example, q))
+        # numpy's interpolation towards an inf error gives NaN (inf - inf); the errors are >= 0 and not
+        # NaN, so the quantile there is the inf itself
+        return np.inf if np.isnan(value) else value
 
 
 @dataclass
