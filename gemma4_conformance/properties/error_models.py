@@ -33,11 +33,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from gemma4_conformance import spec
 from gemma4_conformance.adapters import kv_cache_format
-from gemma4_conformance.checkpoints.quantized import FP8_ACTIVATIONS, FP8_WEIGHTS
+from gemma4_conformance.checkpoints.quantized import FP8_ACTIVATIONS, FP8_TYPES, FP8_WEIGHTS
 from gemma4_conformance.spec import format_of, scale_ulp
 from gemma4_conformance.spec.compiled import jit
 
@@ -555,12 +556,20 @@ def _lm_head_moved(mul, cap, W, x, dtype, moved, before=0.0):
 # of W) or the whole tensor, q = fp8(x / s), so x^ = s q.  The derivation is fp8_rounding's docstring and
 # tolerances.yaml's ``declared``.
 
-# significand bits after the point, the exponent of the smallest normal, the largest finite value (e4m3fn
-# has no inf: 0x7f is NaN and 448 = 1.75 * 2^8 its largest; e5m2 is IEEE-like, 57344 then inf)
-FP8 = {"e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0)}
-# declared format -> (fp8 kind, whether each row has its own scale: a token of x, an output channel of W)
+# per fp8 kind: significand bits after the point, the exponent of the smallest normal, the largest finite
+# value, from ml_dtypes (e4m3fn has no inf: 0x7f is NaN and 448 = 1.75 * 2^8 its largest; e5m2 is
+# IEEE-like, 57344 then inf)
+FP8 = {kind: (int(info.nmant), int(info.minexp), float(info.max))
+       for kind, info in ((kind, ml_dtypes.finfo(t)) for kind, t in FP8_TYPES.items())}
 F32_SUBNORMAL = 2.0**-149  # float32's smallest subnormal: below its normal range roundings are absolute
 F32_LARGEST = float(np.finfo(np.float32).max)
+
+
+def fp8_spacing(t, kind: str) -> np.ndarray:
+    """The spacing of the fp8 format ``kind``'s values at t > 0, subnormals included:
+    2^(max(floor(log2 t), emin) - m)."""
+    m, emin, _ = FP8[kind]
+    return np.exp2(np.maximum(np.floor(np.log2(t)), emin) - m)
 
 
 def fp8_rounding(values, kind: str, per_row: bool) -> np.ndarray:
@@ -582,7 +591,7 @@ def fp8_rounding(values, kind: str, per_row: bool) -> np.ndarray:
     (an engine scales it by anything finite).  Below float32's normal range s' rounds absolutely: a scale
     under 2^-126 (a < M 2^-126) has no relative bound, and a group past float32's range (a float64 x)
     is inf in float32: both are inf here."""
-    m, emin, largest = FP8[kind]
+    _, _, largest = FP8[kind]
     x = np.abs(np.asarray(values, dtype=np.float64))
     a = x.max(axis=-1, keepdims=True) if per_row else np.full((1,) * x.ndim, x.max(initial=0.0))
     s = a / largest
@@ -590,7 +599,7 @@ def fp8_rounding(values, kind: str, per_row: bool) -> np.ndarray:
     v = 2 * u + u * u
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.minimum(largest, (x * (1 + u) ** 3 + F32_SUBNORMAL) / (s * (1 - v)))
-        spacing = np.exp2(np.maximum(np.floor(np.log2(t)), emin) - m)
+        spacing = fp8_spacing(t, kind)
     bound = ((1 + u) ** 3 - 1) * x + s * (1 + v) * spacing / 2 + (1 + s * (1 + v)) * F32_SUBNORMAL
     bound = np.where(x == 0, 0.0, bound)
     return np.where(((s > 0) & (s < 2.0**-126)) | (a > F32_LARGEST), np.inf, bound)
@@ -634,9 +643,6 @@ def lm_head_declared_weights(args, dtype, name, activations=None):
 
 # ---- A declared KV cache format: what storing k and v in fp8 adds to the attention ops ----------------
 
-# fp8 formats of a KV cache: (significant bits p, implicit bit included; exponent of the smallest normal;
-# largest finite value), from FP8's.  e4m3 is e4m3fn (vLLM's and the H100's fp8_e4m3).
-KV_CACHE_FORMATS = {f"fp8_{kind}": (bits + 1, emin, largest) for kind, (bits, emin, largest) in FP8.items()}
 _SPREAD_BLOCK = 1 << 22  # elements of [S, Hkv, G, L, a block of D] the KV term holds at a time: 32 MiB
 
 
@@ -656,15 +662,14 @@ def kv_cache_rounding(x, name: str, scale: float, dtype) -> np.ndarray:
     number rounded to float32: no rounding of its own.  Where t reaches the format's largest value plus
     half its spacing there, t' may round past it (e4m3fn's NaN, e5m2's inf, or a saturating engine's
     largest value): no bound (inf).  A zero is stored exactly."""
-    p, emin, largest = KV_CACHE_FORMATS[name]
+    kind = name.removeprefix("fp8_")
+    largest = FP8[kind][2]
     x = np.abs(np.asarray(x, dtype=np.float64))
     w = (1 + U32) ** 3 - 1
     t = x * (1 + w) / scale * (1 + 2.0**-50)  # the float64 quotient rounded up: t stays an upper bound
-    with np.errstate(divide="ignore"):
-        exponent = np.floor(np.log2(np.where(t > 0, t, 1.0)))
-    half = np.where(x > 0, np.exp2(np.maximum(exponent, emin) - p), 0.0)
+    half = np.where(x > 0, fp8_spacing(np.where(t > 0, t, 1.0), kind) / 2, 0.0)
     bound = w * x + scale * half + format_of(dtype).eps * scale * (t + half)
-    return np.where(t >= largest + 2.0 ** (math.floor(math.log2(largest)) - p), np.inf, bound)
+    return np.where(t >= largest + fp8_spacing(largest, kind) / 2, np.inf, bound)
 
 
 def _kv_cache_attention(scale, visible, q, k, v, dtype, name):
