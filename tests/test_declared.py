@@ -160,8 +160,14 @@ def small_model(tmp_path_factory):
     return weights, tokens, reference(weights.config, weights, tokens, certify=False)[0]
 
 
+FP8_WEIGHTS_ONLY = Fp8Products("numpy-fp8-weights", {"weights": "fp8_e4m3_channel"}, activations=None)
+FP8_WEIGHTS_UNDECLARED = Fp8Products("numpy-fp8-weights-undeclared", None, activations=None)
+
+
 @pytest.mark.parametrize("declared, undeclared", [(DECLARED, UNDECLARED), (KV_DECLARED, KV_UNDECLARED),
-                                                   (FP8_DECLARED, FP8_UNDECLARED)], ids=["q8_0", "kv_cache", "fp8"])
+                                                   (FP8_DECLARED, FP8_UNDECLARED),
+                                                   (FP8_WEIGHTS_ONLY, FP8_WEIGHTS_UNDECLARED)],
+                         ids=["q8_0", "kv_cache", "fp8", "fp8 weights"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_a_forward_is_judged_against_a_baseline_that_rounds_as_the_engine_declares(small_model, dtype, declared,
                                                                                    undeclared):

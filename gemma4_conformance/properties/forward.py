@@ -91,11 +91,10 @@ def reference(config, weights, tokens, certify: bool = True, ops: frozenset[str]
 
 def baseline_ops(formats: dict[str, str]):
     """The plain same-dtype baseline's ops for an engine that declares ``formats``: the numpy ops, rounding
-    the products' activations and the KV cache as it declares (a plain engine with those formats: the
+    the products' activations, fp8 weights and the KV cache as it declares (a plain engine with those formats: the
     forward's errors are judged against one that rounds as the engine says it does)."""
-    if {"activations", "kv_cache"} & set(formats):
-        return numpy_backend.RoundsAsDeclared(formats)
-    return numpy_backend
+    rounding = numpy_backend.RoundsAsDeclared(formats)
+    return rounding if rounding.rounds else numpy_backend
 
 
 def check_finite(candidate: dict, ref: dict, where: str) -> None:
