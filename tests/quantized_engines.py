@@ -19,14 +19,13 @@ quantized checkpoint's blocks themselves: tests/forward_mutants.py).
 
 from __future__ import annotations
 
-from functools import partial
 
 import ml_dtypes
 import numpy as np
 
-from gemma4_conformance.adapters import numpy_backend as reference
 from gemma4_conformance.adapters.numpy_backend import RoundsAsDeclared
-from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, fp8_quantized, read_from_fp8, rounded_to_fp8
+from gemma4_conformance.checkpoints.quantized import (FP8_ACTIVATIONS, FP8_WEIGHTS, WEIGHT_FORMATS, fp8_quantized,
+                                                     read_from_fp8)
 
 # byte offsets of each format's fp16 scales in a block (d, and dmin in q4_k)
 SCALES = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
@@ -56,38 +55,23 @@ KV_UNDECLARED = KvCacheInFp8("numpy-kv-fp8_e4m3-undeclared", "fp8_e4m3@1.5:0.75"
 KV_E5M2 = KvCacheInFp8("numpy-kv-fp8_e5m2", "fp8_e5m2@1.5:0.75", declare=True)
 
 
-class Fp8Products:
+class Fp8Products(RoundsAsDeclared):
     """The numpy reference, its products on x and W rounded to fp8 with dynamic scales (``activations``,
-    ``weights``: (kind, per row) or None), computed exactly (float64: fp8 products are exact, and the
-    float32 accumulation of _scaled_mm is within the dtype's budget) and rounded once to the dtype."""
+    ``weights``: (kind, per row) or None; ``RoundsAsDeclared``), declaring ``formats`` (None: nothing), x
+    rounded by ``rounds_x`` instead where given (a mutant's rounding)."""
 
     def __init__(self, name: str, formats: dict[str, str] | None, activations=("e4m3", True),
                  weights=("e4m3", True), rounds_x=None):
-        self.name, self.dtypes = name, reference.dtypes
+        does = {}
+        if activations:
+            does["activations"] = {how: fmt for fmt, how in FP8_ACTIVATIONS.items()}[activations]
+        if weights:
+            does["weights"] = {how: fmt for fmt, how in FP8_WEIGHTS.items()}[weights]
+        super().__init__(does, name)
         if formats is not None:
             self.formats = formats
-        exact = partial(np.asarray, dtype=np.float64)
-        rounds_x = rounds_x or ((lambda x: rounded_to_fp8(x, *activations)) if activations else exact)
-        rounds_W = (lambda W: rounded_to_fp8(W, *weights)) if weights else exact
-        for op in ("linear", "gate_up", "lm_head"):
-            setattr(self, op, self._product(op, rounds_x, rounds_W))
-
-    @staticmethod
-    def _product(op, rounds_x, rounds_W):
-        base = getattr(reference, op)
-
-        def run(*args):
-            *head, x = args
-            dtype = x.dtype
-            head = [rounds_W(a) if isinstance(a, np.ndarray) and a.ndim == 2 else a for a in head]
-            with np.errstate(over="ignore"):
-                return np.asarray(base(*head, rounds_x(x)), dtype=np.float64).astype(dtype)
-
-        run.__name__ = op
-        return run
-
-    def __getattr__(self, attribute):
-        return getattr(reference, attribute)
+        if rounds_x is not None:
+            self.round_x = rounds_x
 
 
 def static_scale_saturating(x: np.ndarray) -> np.ndarray:

@@ -14,8 +14,8 @@ import sys
 import numpy as np
 
 from gemma4_conformance.adapters import kv_cache_format
-from gemma4_conformance.checkpoints.quantized import (FP8_WEIGHTS, read_from_fp8, rounded_activations, rounded_to_fp8,
-                                                     stored_in_fp8)
+from gemma4_conformance.checkpoints.quantized import (FP8_ACTIVATIONS, FP8_WEIGHTS, read_from_fp8, rounded_activations,
+                                                     rounded_to_fp8, stored_in_fp8)
 from gemma4_conformance.spec import CONTRACT, format_of
 from gemma4_conformance.spec.exact import one_blas_thread
 
@@ -287,19 +287,24 @@ class RoundsAsDeclared:
     def _cached(self, x, scale):
         return self.read_cache(stored_in_fp8(x, self.kv[0], scale), scale, x.dtype)
 
+    def round_x(self, x: np.ndarray) -> np.ndarray:
+        """x as the products take it: rounded to the declared activation format, where there is one."""
+        activations = self.rounds.get("activations")
+        return rounded_activations(x, activations) if activations else x
+
     def _product(self, op):
-        activations, weights = self.rounds.get("activations"), self.rounds.get("weights")
+        weights = self.rounds.get("weights")
+        # an fp8 GEMM's products are exact and accumulate in float32: computed in float64 here, rounded once
+        fp8 = weights is not None or self.rounds.get("activations") in FP8_ACTIVATIONS
 
         def run(*args):
             *head, x = args
-            rounded_x = rounded_activations(x, activations) if activations else x
-            if not weights:
-                return op(*head, rounded_x)  # in the weights' dtype, the run's
-            # fp8 weights: the products of the rounded operands in float64, rounded once to the run's dtype
-            head = [rounded_to_fp8(a, *FP8_WEIGHTS[weights]) if isinstance(a, np.ndarray) and a.ndim == 2 else a
-                    for a in head]
+            if not fp8:
+                return op(*head, self.round_x(x))  # in the weights' dtype, the run's
+            head = [rounded_to_fp8(a, *FP8_WEIGHTS[weights]) if weights and isinstance(a, np.ndarray) and a.ndim == 2
+                    else a for a in head]
             with np.errstate(over="ignore"):
-                return np.asarray(op(*head, np.asarray(rounded_x, np.float64))).astype(x.dtype)
+                return np.asarray(op(*head, np.asarray(self.round_x(x), np.float64)), np.float64).astype(x.dtype)
 
         return run
 
