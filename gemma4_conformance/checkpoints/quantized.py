@@ -52,7 +52,7 @@ from typing import ClassVar
 import ml_dtypes
 import numpy as np
 
-__all__ = ["WeightFormat", "ScaledFp8", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format", "FP8_TYPES",
+__all__ = ["WeightFormat", "ScaledFp8", "QuantizedWeight", "WEIGHT_FORMATS", "UnknownWeightFormat", "weight_format", "FP8_TYPES",
            "FP8_ACTIVATIONS", "FP8_WEIGHTS", "fp8_scale", "fp8_quantized", "rounded_to_fp8", "ACTIVATION_ROUNDINGS",
            "rounded_activations", "stored_in_fp8", "read_from_fp8"]
 
@@ -348,6 +348,27 @@ WEIGHT_FORMATS: dict[str, WeightFormat | ScaledFp8] = {f.name: f for f in (
 )}
 # fp8 weight formats -> (fp8 kind, whether each row, an output channel, has its own scale)
 FP8_WEIGHTS = {name: ("e4m3", fmt.per_row) for name, fmt in WEIGHT_FORMATS.items() if isinstance(fmt, ScaledFp8)}
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A weight matrix held in a weight format, as an adapter that declares that format receives it in the op
+    tests (docs/adapter.md): ``stored`` is its blocks (uint8 ``[rows, row bytes]``, the layout a checkpoint
+    stores) and ``shape`` the matrix's ``[rows, columns]``.  Its ``values`` are the spec's W, exactly."""
+
+    format: str
+    stored: np.ndarray
+    shape: tuple[int, int]
+
+    @classmethod
+    def of(cls, name: str, values: np.ndarray) -> "QuantizedWeight":
+        """``values`` (``[rows, columns]``) rounded to the format ``name``."""
+        return cls(name, weight_format(name).quantize(values), tuple(np.shape(values)))
+
+    def values(self) -> np.ndarray:
+        """The exact values (float64 ``[rows, columns]``) the blocks hold."""
+        return weight_format(self.format).dequantize(self.stored)
+
 
 
 # ---- activations: x rounded to blocks before a product, as llama.cpp's CPU path does ---------------
