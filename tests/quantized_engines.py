@@ -12,9 +12,15 @@ channel, each with its dynamic float32 scale, the products exact and scaled afte
 x's scale from a fixed calibration instead of x, so values past it saturate at 448 (a rounding no
 declared format bounds).
 
+``Q4_K_WEIGHTS`` holds its products' weights in q4_k and rounds x to q8_k blocks, as llama.cpp's CPU path
+does, and ``Q8_0_WEIGHTS`` holds them in q8_0 and rounds nothing else, each declaring it: the op tests
+hand them W as a ``QuantizedWeight``.  ``Q8_0_WEIGHTS_UNDECLARED`` rounds the W it is handed to q8_0 itself and declares
+nothing.
+
 Also the mistakes an engine's dequantization can make, as edits of a block's bytes that the right
-dequantization then reads wrongly (tests/test_quantized.py, and the forward mutants that read a
-quantized checkpoint's blocks themselves: tests/forward_mutants.py).
+dequantization then reads wrongly (tests/test_quantized.py, the forward mutants that read a quantized
+checkpoint's blocks themselves: tests/forward_mutants.py, and ``Q4_K_MIN_WRONG_SIGN`` and
+``Q8_0_SCALES_IN_BFLOAT16``, which read the op tests' blocks so).
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import ml_dtypes
 import numpy as np
 
 from gemma4_conformance.adapters.numpy_backend import RoundsAsDeclared
-from gemma4_conformance.checkpoints.quantized import (FP8_ACTIVATIONS, FP8_WEIGHTS, WEIGHT_FORMATS, fp8_quantized,
-                                                     read_from_fp8)
+from gemma4_conformance.checkpoints.quantized import (FP8_ACTIVATIONS, FP8_WEIGHTS, WEIGHT_FORMATS, QuantizedWeight,
+                                                     fp8_quantized, read_from_fp8)
 
 # byte offsets of each format's fp16 scales in a block (d, and dmin in q4_k)
 SCALES = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
@@ -130,6 +136,46 @@ def int4_zero_point_ignored(name: str, blocks: np.ndarray) -> np.ndarray:
     return out
 
 
+def read_wrongly(mistake, name: str, stored: np.ndarray) -> np.ndarray:
+    """The values a dequantization that makes ``mistake`` reads from a ``name`` matrix's ``stored`` bytes."""
+    fmt = WEIGHT_FORMATS[name]
+    units = stored if fmt.whole_tensors else stored.reshape(-1, fmt.block_bytes)  # fp8's rows, or the blocks
+    with np.errstate(over="ignore", invalid="ignore"):
+        return fmt.dequantize(mistake(name, units).reshape(stored.shape))
+
+
+class BlockWeights(RoundsAsDeclared):
+    """The numpy reference, its products on weights held in the block format ``weights`` and on x rounded
+    to ``activations``, both declared where ``declare``.  Declared, the op tests hand it W in the format
+    (``QuantizedWeight``), which it reads as its exact values, or with ``mistake``; undeclared, it is handed W
+    in the dtype and rounds it to the format itself."""
+
+    def __init__(self, name: str, weights: str, activations: str | None, declare: bool = True, mistake=None):
+        rounds = {"activations": activations} if activations else {}
+        super().__init__(rounds, name)
+        if declare:
+            self.formats = {"weights": weights, **rounds}
+        self.weights, self.mistake = weights, mistake
+
+    def dequantize(self, weight: QuantizedWeight) -> np.ndarray:
+        return weight.values() if self.mistake is None else read_wrongly(self.mistake, weight.format, weight.stored)
+
+    def _product(self, op):
+        run = super()._product(op)
+
+        def held(*args):
+            *head, x = args
+            return run(*(QuantizedWeight.of(self.weights, a) if isinstance(a, np.ndarray) and a.ndim == 2 else a
+                         for a in head), x)
+
+        return held
+
+
+Q4_K_WEIGHTS = BlockWeights("numpy-q4_k-weights", "q4_k", "q8_k")
+Q8_0_WEIGHTS = BlockWeights("numpy-q8_0-weights", "q8_0", None)
+Q8_0_WEIGHTS_UNDECLARED = BlockWeights("numpy-q8_0-weights-undeclared", "q8_0", None, declare=False)
+
+
 def dequantized_wrongly(mistake, weights):
     """The checkpoint's tensors, each quantized matrix read from its blocks with ``mistake``; a checkpoint
     without quantized matrices is refused (the mutant would be the reference)."""
@@ -138,10 +184,13 @@ def dequantized_wrongly(mistake, weights):
         raise ValueError("this engine reads a quantized checkpoint's blocks: give --weights a quantized one")
     out = {name: weights[name] for name in weights}
     for name, format_name in formats.items():
-        info, fmt = weights.info(name), WEIGHT_FORMATS[format_name]
+        info = weights.info(name)
         stored = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset).reshape(
-            fmt.stored_shape(info.shape))
-        units = stored if fmt.whole_tensors else stored.reshape(-1, fmt.block_bytes)  # fp8's rows, or the blocks
-        with np.errstate(over="ignore", invalid="ignore"):
-            out[name] = fmt.dequantize(mistake(format_name, units).reshape(stored.shape))
+            WEIGHT_FORMATS[format_name].stored_shape(info.shape))
+        out[name] = read_wrongly(mistake, format_name, stored)
     return out
+
+
+Q4_K_MIN_WRONG_SIGN = BlockWeights("numpy-q4_k-weights-min-wrong-sign", "q4_k", "q8_k", mistake=min_with_wrong_sign)
+Q8_0_SCALES_IN_BFLOAT16 = BlockWeights("numpy-q8_0-weights-scales-in-bfloat16", "q8_0", None,
+                                       mistake=scales_in_bfloat16)

@@ -16,21 +16,24 @@ from hypothesis import strategies as st
 
 from gemma4_conformance.adapters import DECLARED_FORMATS, declared_formats, kv_cache_format
 from gemma4_conformance.checkpoints import checkpoint, generate
-from gemma4_conformance.checkpoints.quantized import (FP8_ACTIVATIONS, FP8_TYPES, WEIGHT_FORMATS, ScaledFp8, fp8_scale,
+from gemma4_conformance.checkpoints.quantized import (FP8_ACTIVATIONS, FP8_TYPES, WEIGHT_FORMATS, QuantizedWeight,
+                                                     ScaledFp8, fp8_scale,
                                                      read_from_fp8, rounded_activations, rounded_to_fp8, stored_in_fp8)
 from gemma4_conformance.composition.graph import composed
 from gemma4_conformance.plugin import EXIT_CONFORMANT, EXIT_NOT_CONFORMANT
 from gemma4_conformance.properties import error_models
 from gemma4_conformance.properties.forward import baseline_ops, drawn_tokens, judge_forward, local_errors, reference
 from gemma4_conformance.properties.invariance import fixed
-from gemma4_conformance.properties.judging import BeyondDeclared, assess, judge
+from gemma4_conformance.properties.judging import BeyondDeclared, assess, held, judge
 from gemma4_conformance.properties.serving import Documents, normalize, run
 from gemma4_conformance.properties.serving import judge as judge_schedule
 from gemma4_conformance.properties.strategies import _attention_case, _desc
 from gemma4_conformance.properties.table import build
 from tests.mutants import ADAPTERS
 from tests.quantized_engines import (ATTENTION, DECLARED, FP8_DECLARED, FP8_FORMATS, FP8_STATIC, FP8_UNDECLARED,
-                                     KV_DECLARED, KV_E5M2, KV_UNDECLARED, UNDECLARED, Fp8Products)
+                                     KV_DECLARED, KV_E5M2, KV_UNDECLARED, Q4_K_MIN_WRONG_SIGN, Q4_K_WEIGHTS,
+                                     Q8_0_SCALES_IN_BFLOAT16, Q8_0_WEIGHTS, Q8_0_WEIGHTS_UNDECLARED, UNDECLARED,
+                                     BlockWeights, Fp8Products)
 from tests.test_plugin import suite
 
 TIGHT = 4  # the derived bound may be at most this many times the exact error on the worst draw
@@ -95,6 +98,9 @@ def test_a_block_of_zeros_is_exact_and_a_scale_past_fp16_has_no_bound():
     beyond = np.full((1, 32), 127 * 65520.0)
     assert np.isinf(error_models.activation_rounding(beyond, "q8_0")).all()
     assert np.isfinite(error_models.activation_rounding(beyond, "q8_k")).all()  # a float32 scale holds it
+    past_float32 = np.concatenate([np.full((1, 255), 1.0), [[1e39]], np.full((1, 256), 1.0)], axis=1)
+    rounding = error_models.activation_rounding(past_float32, "q8_k")  # llama.cpp takes x in float32: inf there
+    assert np.isinf(rounding[0, :256]).all() and np.isfinite(rounding[0, 256:]).all()
 
 
 CASES = [  # (op, dtype, case): x spread wider than q8_0's 8 bits hold
@@ -471,14 +477,114 @@ def test_each_fp8_declaration_covers_its_rounding_which_fails_undeclared(formats
     assert not judge(Fp8Products("numpy-fp8", None, activations, weights), op, case, dtype).passed
 
 
+BLOCK_CASES = [  # (op, dtype, case): rows of 256 values, whole blocks of every block format
+    ("linear", "float32", {"args": {"x": {"shape": [3, 256], "dist": "wide", "log2": 0, "seed": 1},
+                                    "W": {"shape": [8, 256], "dist": "normal", "log2": 0, "seed": 2}}, "cancel": None}),
+    ("gate_up", "bfloat16", {"args": {"x": {"shape": [2, 512], "dist": "normal", "log2": 2, "seed": 3},
+                                      "Wg": {"shape": [3, 512], "dist": "wide", "log2": 0, "seed": 4},
+                                      "Wu": {"shape": [3, 512], "dist": "uniform", "log2": 0, "seed": 5}},
+                             "cancel": None}),
+    ("lm_head", "float16", {"args": {"x": {"shape": [2, 256], "dist": "normal", "log2": 0, "seed": 6},
+                                     "W": {"shape": [33, 256], "dist": "normal", "log2": -2, "seed": 7},
+                                     "mul": 0.5, "cap": None}, "cancel": None}),
+    ("linear", "float64", {"args": {"x": {"shape": [2, 256], "dist": "normal", "log2": 0, "seed": 8},
+                                    "W": {"shape": [4, 256], "dist": "wide", "log2": 0, "seed": 9}}, "cancel": None}),
+]
+
+
 @pytest.mark.parametrize("name", ["q8_0", "int4_g128"])
 def test_a_block_weight_format_adds_no_term(name):
-    """A block format names the checkpoint's own weights, whose exact values the reference runs on: declaring
-    one covers no rounding, so an engine rounding x to fp8 behind it fails."""
+    """A block format names the weights the engine holds, whose exact values the reference runs on:
+    declaring one covers no rounding, so an engine rounding x to fp8 behind it fails."""
     assert name in DECLARED_FORMATS["weights"]
-    op, dtype, case = CASES[0]
+    op, dtype, case = BLOCK_CASES[0]
     verdict = judge(Fp8Products(f"numpy-fp8-weights-said-{name}", {"weights": name}, None), op, case, dtype)
     assert not verdict.passed and verdict.formats == {}
+
+
+class Receives:
+    """An engine whose gate_up keeps what it receives, then computes as ``engine``'s does."""
+
+    def __init__(self, engine):
+        self.engine, self.name, self.formats, self.received = engine, engine.name, engine.formats, []
+
+    def gate_up(self, *args):
+        self.received.append(args)
+        return self.engine.gate_up(*args)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_k", "q6_k", "int4_g32"])
+def test_the_op_tests_hand_an_engine_that_declares_a_block_format_its_weights_in_it(name):
+    """Item 2 of issue 36: the op tests run on the quantized weights.  An engine declaring a block weight
+    format receives each W as a QuantizedWeight of it, and the judge's W is exactly the blocks' values
+    (float32 where it holds them); an fp8 or no weight format hands W in the dtype, as before."""
+    op, dtype, case = BLOCK_CASES[1]
+    engine = Receives(BlockWeights(f"numpy-{name}-weights", name, None))
+    assert judge(engine, op, case, dtype).passed
+    (received,) = engine.received
+    drawn = build(op, case, dtype)
+    handed, judged = held(op, drawn, {"weights": name})
+    for got, W, exact in zip(received[:2], drawn[:2], judged[:2]):
+        assert isinstance(got, QuantizedWeight) and got.format == name and got.shape == W.shape
+        assert np.array_equal(got.stored, WEIGHT_FORMATS[name].quantize(W))
+        assert np.array_equal(np.asarray(exact, dtype=np.float64), got.values())
+        assert exact.dtype == (np.float32 if np.array_equal(got.values().astype(np.float32), got.values())
+                               else np.float64)
+    assert received[2] is not drawn[2] and np.array_equal(received[2], drawn[2])  # x as drawn (a copy)
+    for formats in ({}, {"weights": "fp8_e4m3_channel"}):
+        assert held(op, drawn, formats) == (drawn, drawn)
+
+
+def test_a_block_format_cannot_hold_rows_of_part_blocks_or_scales_past_fp16():
+    W, x = np.ones((2, 64), dtype=np.float32), np.ones((1, 64), dtype=np.float32)
+    with pytest.raises(BeyondDeclared, match=r"q4_k stores matrices whose rows are multiples of 256 values, not W "
+                                             r"of shape \[2, 64\]"):
+        held("linear", (W, x), {"weights": "q4_k"})
+    with pytest.raises(BeyondDeclared, match="the declared weights format q8_0 cannot hold W"):
+        held("linear", (W * np.float32(127 * 70000.0), x), {"weights": "q8_0"})
+
+
+@pytest.mark.parametrize("op, dtype, case", BLOCK_CASES, ids=[f"{c[0]}-{c[1]}" for c in BLOCK_CASES])
+def test_block_weights_pass_declared_and_fail_read_wrongly_or_rounded_undeclared(op, dtype, case):
+    """Engines holding their weights in q4_k (x rounded to q8_k, as llama.cpp's CPU path does) and q8_0 pass;
+    q4_k's minimum applied with the wrong sign fails in every dtype; q8_0 scales read into bfloat16 (each
+    block's values off by up to 2^-9 together) fail in float32 and float64, whose budgets are far finer (in
+    float16 and bfloat16 they may pass: the errors are within the dtype's own), and so does an engine
+    rounding W to q8_0 itself without declaring it."""
+    for engine in (Q4_K_WEIGHTS, Q8_0_WEIGHTS):
+        verdict = judge(engine, op, case, dtype)
+        assert verdict.passed and verdict.informative, (engine.name, verdict.failures)
+    assert not judge(Q4_K_MIN_WRONG_SIGN, op, case, dtype).passed
+    if dtype in ("float32", "float64"):
+        assert not judge(Q8_0_SCALES_IN_BFLOAT16, op, case, dtype).passed
+        assert not judge(Q8_0_WEIGHTS_UNDECLARED, op, case, dtype).passed
+
+
+def test_the_run_judges_block_weights_in_their_format_and_fails_a_wrong_dequantization(tmp_path):
+    status, out, doc = suite(tmp_path, "--backend=tests.quantized_engines:Q4_K_WEIGHTS", "--ops=linear,gate_up",
+                             "-k", "test_matches_oracle or gate_up_is_two_linears")
+    assert status == EXIT_CONFORMANT, out
+    assert "(given its declared formats: numpy-q4_k-weights: activations q8_k, weights q4_k)" in out
+    assert {tuple(r["formats"].items()) for r in doc["results"]} == {(("activations", "q8_k"),)}
+    status, out, doc = suite(tmp_path, "--backend=tests.quantized_engines:Q4_K_MIN_WRONG_SIGN", "--ops=linear",
+                             "-k", "test_matches_oracle")
+    assert status == EXIT_NOT_CONFORMANT, out
+
+
+def test_a_declared_rounding_may_carry_a_result_near_the_range_past_it():
+    """x rounded to q8_0 moves gate_up's sum by up to the declared term: where the exact result is within the
+    term of float16's largest value the engine's sum may round to inf, which is accepted with the exact
+    result's sign, and not from an engine that declares nothing."""
+    x = np.full((1, 32), 8.0, dtype=np.float16)
+    x[0, 0] = 8.5
+    W = np.full((2, 32), 255.0, dtype=np.float16)
+    args = (W[:1], W[1:], x)
+    exact = float(np.sum(x.astype(np.float64)) * 255)
+    term = error_models.declared_activations((W[:1], x.astype(np.float64)), "float16", "q8_0")[1][0, 0]
+    assert exact < 65504 and exact + term > 65520  # 65520 and past round to inf
+    out = np.full((1, 2), np.inf, dtype=np.float16)
+    assert assess("gate_up", args, out, "float16", formats={"activations": "q8_0"}).passed
+    assert not assess("gate_up", args, out, "float16").passed
 
 
 def test_an_fp8_engine_whose_static_scale_saturates_fails_though_it_declares_fp8():

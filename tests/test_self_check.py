@@ -66,7 +66,7 @@ def test_the_reference_backend_keeps_every_theorem(name, run_seed):
     for dtype in DTYPES:
         @seed(run_seed)
         @_settings(EXAMPLES)
-        @given(case=rule.cases(dtype))
+        @given(case=rule.cases(dtype, {}))
         def drawn(case):
             failures = rule.check(numpy_backend, case, dtype)
             assert not failures, f"numpy violates {name} in {dtype} (seed {run_seed}): {failures[0]}; case {case_json(case)}"

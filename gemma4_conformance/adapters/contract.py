@@ -5,11 +5,13 @@ expected: the adapter broke, which the run reports apart from conformance failur
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 
 import numpy as np
 
+from gemma4_conformance.checkpoints.quantized import QuantizedWeight
 from gemma4_conformance.spec import CONTRACT, format_of
 from gemma4_conformance.spec.model import nodes
 
@@ -42,7 +44,7 @@ def call(adapter, op: str, args: tuple, dtype: str) -> np.ndarray:
     # an op without a floating argument (inv_freq) cannot tell the dtype from its inputs: it is told
     kwargs = {} if any(a.kind == "float" for a in CONTRACT[op].args) else {"dtype": dtype}
     try:
-        out = fn(*(a.copy() if isinstance(a, np.ndarray) else a for a in args), **kwargs)
+        out = fn(*(_copy(a) for a in args), **kwargs)
     except Unsupported as e:
         raise Refused(f"{where}: {e}") from None
     except Exception as e:
@@ -56,6 +58,14 @@ def call(adapter, op: str, args: tuple, dtype: str) -> np.ndarray:
     if out.shape != want_shape:
         raise ContractViolation(f"{where} returned shape {out.shape}, expected {want_shape}")
     return out
+
+
+def _copy(a):
+    if isinstance(a, np.ndarray):
+        return a.copy()
+    if isinstance(a, QuantizedWeight):
+        return dataclasses.replace(a, stored=a.stored.copy())
+    return a
 
 
 def run_forward(adapter, config, weights, tokens, dtype: str):

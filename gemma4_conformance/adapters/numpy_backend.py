@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from gemma4_conformance.adapters import kv_cache_format
-from gemma4_conformance.checkpoints.quantized import (FP8_ACTIVATIONS, FP8_WEIGHTS, read_from_fp8, rounded_activations,
+from gemma4_conformance.checkpoints.quantized import (FP8_ACTIVATIONS, FP8_WEIGHTS, QuantizedWeight, read_from_fp8, rounded_activations,
                                                      rounded_to_fp8, stored_in_fp8)
 from gemma4_conformance.spec import CONTRACT, format_of
 from gemma4_conformance.spec.exact import one_blas_thread
@@ -263,9 +263,10 @@ class RoundsAsDeclared:
     dtype: the products (``linear``, ``gate_up``, ``lm_head``) on x rounded to the ``activations`` format
     first (``checkpoints.quantized.rounded_activations``: llama.cpp's CPU path, or an fp8 GEMM's dynamic
     scaling) and on W rounded to an fp8 ``weights`` format (``rounded_to_fp8``; a block format is the
-    checkpoint's own and is not rounded again), and attention on k and v stored in the ``kv_cache`` format
-    and read back (``stored_in_fp8``, ``read_from_fp8``: vLLM's fp8 KV cache).  The plain baseline of a
-    forward whose engine declares ``formats`` (properties/forward.py), and an engine that rounds so
+    checkpoint's own and is not rounded again; the op tests hand it as a ``QuantizedWeight``, read here as
+    its exact values), and attention on k and v stored in the ``kv_cache`` format and read back
+    (``stored_in_fp8``, ``read_from_fp8``: vLLM's fp8 KV cache).  The plain baseline of a forward whose
+    engine declares ``formats`` (properties/forward.py), and an engine that rounds so
     (tests/quantized_engines.py), declaring it where ``declare``."""
 
     dtypes = dtypes
@@ -292,14 +293,22 @@ class RoundsAsDeclared:
         activations = self.rounds.get("activations")
         return rounded_activations(x, activations) if activations else x
 
+    def dequantize(self, weight: QuantizedWeight) -> np.ndarray:
+        """A weight held in a block format, as its exact values (a mutant reads its blocks wrongly here)."""
+        return weight.values()
+
     def _product(self, op):
         weights = self.rounds.get("weights")
-        # an fp8 GEMM's products are exact and accumulate in float32: computed in float64 here, rounded once
+        # an fp8 GEMM's products are exact and accumulate in float32, as are a block format's integer dot
+        # products: computed in float64 here, rounded once
         fp8 = weights is not None or self.rounds.get("activations") in FP8_ACTIVATIONS
 
         def run(*args):
             *head, x = args
-            if not fp8:
+            held = any(isinstance(a, QuantizedWeight) for a in head)
+            if held:
+                head = [self.dequantize(a) if isinstance(a, QuantizedWeight) else a for a in head]
+            if not (fp8 or held):
                 return op(*head, self.round_x(x))  # in the weights' dtype, the run's
             head = [rounded_to_fp8(a, *FP8_WEIGHTS[weights]) if weights and isinstance(a, np.ndarray) and a.ndim == 2
                     else a for a in head]
@@ -309,7 +318,7 @@ class RoundsAsDeclared:
         return run
 
     def _wrapped(self, name, op):
-        if name in self.PRODUCTS and {"activations", "weights"} & set(self.rounds):
+        if name in self.PRODUCTS:
             run = self._product(op)
         elif name in self.ATTENTION and "kv_cache" in self.rounds:
             def run(*args):

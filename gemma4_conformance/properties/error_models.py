@@ -492,7 +492,8 @@ def activation_rounding(x, name: str) -> np.ndarray:
     ((1 + u)^3 - 1) |x| (x to float32, then the inverse and the product round once each), t - q at
     most 1/2, |q| <= |t| + 1/2 and at most 127, and d' - d^ is e: half an fp16 ULP at d (1 + v) for ``q8_0``, 0 for ``q8_k``
     (whose scale stays float32; its sign follows the block's extreme value, which changes nothing
-    here).  A block of zeros is exact; an fp16 scale past 65504 is inf: no bound."""
+    here).  A block of zeros is exact; an fp16 scale past 65504 is inf, and so is a block with an x past
+    float32's largest value (inf there): no bound."""
     block, stored = ACTIVATION_BLOCKS[name]
     x = np.abs(np.asarray(x, dtype=np.float64))
     K = x.shape[-1]
@@ -507,7 +508,7 @@ def activation_rounding(x, name: str) -> np.ndarray:
     bound = ((1 + u) ** 3 - 1) * x + d * (1 + v) / 2 + e * q
     if stored is not None:
         bound = np.where(d * (1 + v) > format_of(stored).max_finite, np.inf, bound)
-    return bound
+    return np.where(d * 127 > F32_LARGEST, np.inf, bound)
 
 
 def _moved(W, x, name):

@@ -14,13 +14,14 @@ from mpmath import mp, mpf
 
 from gemma4_conformance.adapters import declared_formats
 from gemma4_conformance.adapters.contract import call
+from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, QuantizedWeight
 from gemma4_conformance.spec import CONTRACT, enclosures, format_of, get_precision, precision, round_to, scale_ulp
 from gemma4_conformance.spec.exact import one_blas_thread, widen
 from gemma4_conformance.spec.formats import abs_error
 
 from . import decision
 from .budget import budget
-from .table import OPS, ORACLE_WORK, build
+from .table import OPS, ORACLE_WORK, WEIGHTS, build, held_block
 
 
 def _flat(a) -> np.ndarray:
@@ -32,10 +33,7 @@ def _widened(args, op: str):
     """Floating arrays in float64 (exact), for the error model's scale; the weights of a product (W, Wg,
     Wu) stay as they are: their error models read them a block at a time (``error_models._products``),
     where a float64 copy of a real-size W would be its size again four times over (470 MB at 15360 x 3840)."""
-    return tuple(a if name in _WEIGHTS else widen(a) for a, name in zip(args, CONTRACT[op].arg_names))
-
-
-_WEIGHTS = frozenset({"W", "Wg", "Wu"})
+    return tuple(a if name in WEIGHTS else widen(a) for a, name in zip(args, CONTRACT[op].arg_names))
 
 
 @dataclass
@@ -104,16 +102,49 @@ def judge(adapter, op: str, case: dict, dtype: str, seed: int = 0) -> Verdict:
     """Run ``case`` on the backend and compare its output (or the sampler's part of it) with the oracle
     (a case may set its own oracle work with ``"work"``, in table.py's element operations), within the
     allowance that the adapter's declared formats add to (``declared_formats``)."""
-    args = build(op, case, dtype)
+    formats = declared_formats(adapter)
+    handed, args = held(op, build(op, case, dtype), formats)
     moved = getattr(adapter, "transfer_seconds", 0.0)
     start = time.perf_counter()
-    out = call(adapter, op, args, dtype)
+    out = call(adapter, op, handed, dtype)
     backend = time.perf_counter() - start
     transfer = getattr(adapter, "transfer_seconds", 0.0) - moved
     start = time.perf_counter()
-    verdict = assess(op, args, out, dtype, seed, case.get("work", ORACLE_WORK), formats=declared_formats(adapter))
+    verdict = assess(op, args, out, dtype, seed, case.get("work", ORACLE_WORK), formats=formats)
     verdict.seconds = {"backend": backend - transfer, "transfer": transfer, "oracle": time.perf_counter() - start}
     return verdict
+
+
+def held(op: str, args: tuple, formats: dict[str, str]) -> tuple[tuple, tuple]:
+    """(the arguments an adapter receives, the ones it is judged on).  An adapter that declares a block
+    weight format (``table.held_block``) holds its products' weights in it: it receives each W rounded to
+    the format, as a QuantizedWeight, and is judged on the values the blocks hold, exactly.  Those travel
+    as float32 where float32 holds them (q8_0, q4_0, q6_k and int4 values always do, some q4_k ones do
+    not), for the first stage's BLAS enclosure (spec.exact.dots_enclosure), float64 otherwise.  Weights the
+    format cannot hold (rows that are not whole blocks, a block whose scale is past fp16's range, an inf or a
+    NaN) raise BeyondDeclared."""
+    if held_block(op, formats) is None:
+        return args, args
+    handed, exact = [], []
+    for a, name in zip(args, CONTRACT[op].arg_names):
+        if name in WEIGHTS:
+            fmt = WEIGHT_FORMATS[formats["weights"]]
+            if not fmt.fits(np.shape(a)):  # an edge case or a --case rerun; the drawn cases fit (table.cases)
+                raise BeyondDeclared(f"the declared weights format {fmt.name} stores {fmt.stores}, not {name} of "
+                                     f"shape {list(np.shape(a))}")
+            with np.errstate(all="ignore"):
+                weight = QuantizedWeight.of(fmt.name, a)
+                values = weight.values()
+            if not np.isfinite(values).all():
+                raise BeyondDeclared(f"the declared weights format {weight.format} cannot hold {name} (a block's "
+                                     f"scale is past the range it is held in, or a value is not finite)")
+            narrow = values.astype(np.float32)
+            a = narrow if np.array_equal(narrow, values) else values
+            handed.append(weight)
+        else:
+            handed.append(a)
+        exact.append(a)
+    return tuple(handed), tuple(exact)
 
 
 FALLBACK_SHARE = 0.5  # past this share of undecided elements the oracle judges the whole example
@@ -435,9 +466,13 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
         expected = stage.rounded(~finite)
         undecided_in = ~finite & np.isnan(expected) & ~np.isnan(got64)
         right_inf = np.isinf(got64) & (got64 == expected)
+        term = 0.0 if declared is None else declared[2].reshape(np.shape(exact64))
+        # a declared rounding moves the result by up to its term, past the dtype's range where it is near
+        may = np.abs(exact64) + term >= float(f.max_finite) + float(scale_ulp(f.max_finite, dtype)) / 2
         if entry.overflows is not None:
-            term = 0.0 if declared is None else declared[2].reshape(np.shape(exact64))
-            may = np.broadcast_to(entry.overflows(_widened(args, op), exact64, dtype, term), got.shape)
+            may = may | entry.overflows(_widened(args, op), exact64, dtype, term)
+        if entry.overflows is not None or declared is not None:
+            may = np.broadcast_to(may, got.shape)
             signed = np.isinf(got64) & may & (np.sign(got64) == np.sign(exact64))
             undecided_in |= signed & ~right_inf & (np.abs(exact64) <= stage.rad)
             right_inf |= signed

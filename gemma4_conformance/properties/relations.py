@@ -21,7 +21,7 @@ from gemma4_conformance.spec import CONTRACT, format_of, scale_ulp
 from gemma4_conformance.spec.exact import one_blas_thread, widen
 
 from .budget import ACCUMULATION, budget
-from .judging import declared_formats_hold
+from .judging import BeyondDeclared, declared_formats_hold, held
 from .table import OPS, build, cases
 
 
@@ -29,7 +29,7 @@ from .table import OPS, build, cases
 class Relation:
     name: str
     ops: tuple[str, ...]
-    cases: Callable[[str], st.SearchStrategy]
+    cases: Callable[[str, dict], st.SearchStrategy]  # (dtype, the adapter's declared formats) -> its cases
     check: Callable  # (adapter, case, dtype) -> list of failure messages
 
 
@@ -189,12 +189,25 @@ def softcap_is_bounded_and_saturates(adapter, case, dtype):
 
 # Linear ----------------------------------------------------------------------------------------------
 
+def _held(op: str, args: tuple, dtype: str, adapter) -> tuple[tuple, tuple] | None:
+    """``judging.held``'s (the arguments the adapter receives, the ones it is judged on) where the adapter's
+    declared formats hold them, else None."""
+    formats = declared_formats(adapter)
+    try:
+        handed, judged = held(op, args, formats)
+    except BeyondDeclared:
+        return None
+    return (handed, judged) if declared_formats_hold(op, judged, dtype, formats) else None
+
+
 def gate_up_is_two_linears(adapter, case, dtype):
     """Domain: the inputs the adapter's declared formats hold (none declared: all)."""
-    Wg, Wu, x = args = build("gate_up", case, dtype)
-    if not declared_formats_hold("gate_up", args, dtype, declared_formats(adapter)):
+    arguments = _held("gate_up", build("gate_up", case, dtype), dtype, adapter)
+    if arguments is None:
         return []
-    fused = call(adapter, "gate_up", args, dtype)
+    handed, args = arguments
+    Wg, Wu, x = handed
+    fused = call(adapter, "gate_up", handed, dtype)
     halves = np.concatenate([call(adapter, "linear", (Wg, x), dtype), call(adapter, "linear", (Wu, x), dtype)], -1)
     return compare("gate_up vs [linear(Wg, x) | linear(Wu, x)]", fused, halves,
                    2 * allowance("gate_up", dtype, args, _f64(halves)))
@@ -209,10 +222,12 @@ def lm_head_without_cap_is_scaled_linear(adapter, case, dtype):
     inputs the adapter's declared formats hold."""
     mul, cap, W, x = build("lm_head", case, dtype)
     mul = 2.0 ** round(np.log2(abs(mul) or 1.0))  # a power of two, so mul * linear is exact
-    args = (mul, None, W, x)
-    if not declared_formats_hold("lm_head", args, dtype, declared_formats(adapter)):
+    arguments = _held("lm_head", (mul, None, W, x), dtype, adapter)
+    if arguments is None:
         return []
-    a = call(adapter, "lm_head", args, dtype)
+    handed, args = arguments
+    W = handed[2]
+    a = call(adapter, "lm_head", handed, dtype)
     b = mul * _f64(call(adapter, "linear", (W, x), dtype))
     tolerance = 2 * allowance("lm_head", dtype, args, np.where(np.isfinite(b), b, 0))
     inside = np.abs(b) + tolerance <= format_of(dtype).max_finite
@@ -300,33 +315,43 @@ def _with_head(draw, op, dtype):
     return case
 
 
+def _drawn(op: str):
+    """The op's cases (a product's weights whole blocks of a block weight format the adapter declares)."""
+    return lambda dtype, formats: cases(op, dtype, formats)
+
+
+def _own(strategy, *head):
+    """A relation's own cases, ``strategy(*head, dtype)``: without weights, whatever the formats."""
+    return lambda dtype, formats: strategy(*head, dtype)
+
+
 RELATIONS: dict[str, Relation] = {
     r.name: r
     for r in (
-        Relation("rope_at_zero_is_identity", ("rope",), lambda d: cases("rope", d), rope_at_zero_is_identity),
-        Relation("rope_keeps_pair_norms", ("rope",), lambda d: cases("rope", d), rope_keeps_pair_norms),
-        Relation("rope_depends_on_relative_position", ("rope",), _rope_pairs, rope_depends_on_relative_position),
-        Relation("rope_std_is_rope", ("rope", "rope_std"), lambda d: cases("rope_std", d), rope_std_is_rope),
-        Relation("rmsnorm_is_scale_invariant", ("rmsnorm",), lambda d: _scaled("rmsnorm", d), rmsnorm_is_scale_invariant),
+        Relation("rope_at_zero_is_identity", ("rope",), _drawn("rope"), rope_at_zero_is_identity),
+        Relation("rope_keeps_pair_norms", ("rope",), _drawn("rope"), rope_keeps_pair_norms),
+        Relation("rope_depends_on_relative_position", ("rope",), _own(_rope_pairs), rope_depends_on_relative_position),
+        Relation("rope_std_is_rope", ("rope", "rope_std"), _drawn("rope_std"), rope_std_is_rope),
+        Relation("rmsnorm_is_scale_invariant", ("rmsnorm",), _own(_scaled, "rmsnorm"), rmsnorm_is_scale_invariant),
         Relation("rmsnorm_offset_is_rmsnorm_of_one_plus_w", ("rmsnorm", "rmsnorm_offset"),
-                 lambda d: cases("rmsnorm_offset", d), rmsnorm_offset_is_rmsnorm_of_one_plus_w),
+                 _drawn("rmsnorm_offset"), rmsnorm_offset_is_rmsnorm_of_one_plus_w),
         Relation("rmsnorm_unit_is_rmsnorm_of_ones", ("rmsnorm", "rmsnorm_unit"),
-                 lambda d: cases("rmsnorm_unit", d), rmsnorm_unit_is_rmsnorm_of_ones),
-        Relation("fixed_points", ("sigmoid", "gelu_tanh"), lambda d: st.just({}), fixed_points),
-        Relation("softcap_is_bounded_and_saturates", ("softcap",), _softcap_cases, softcap_is_bounded_and_saturates),
-        Relation("gate_up_is_two_linears", ("gate_up", "linear"), lambda d: cases("gate_up", d), gate_up_is_two_linears),
-        Relation("lm_head_without_cap_is_scaled_linear", ("lm_head", "linear"), lambda d: cases("lm_head", d),
+                 _drawn("rmsnorm_unit"), rmsnorm_unit_is_rmsnorm_of_ones),
+        Relation("fixed_points", ("sigmoid", "gelu_tanh"), lambda d, formats: st.just({}), fixed_points),
+        Relation("softcap_is_bounded_and_saturates", ("softcap",), _own(_softcap_cases), softcap_is_bounded_and_saturates),
+        Relation("gate_up_is_two_linears", ("gate_up", "linear"), _drawn("gate_up"), gate_up_is_two_linears),
+        Relation("lm_head_without_cap_is_scaled_linear", ("lm_head", "linear"), _drawn("lm_head"),
                  lm_head_without_cap_is_scaled_linear),
-        Relation("softmax_is_a_distribution", ("softmax",), lambda d: cases("softmax", d), softmax_is_a_distribution),
-        Relation("single_visible_key_returns_its_value", ("causal_gqa",), lambda d: cases("causal_gqa", d),
+        Relation("softmax_is_a_distribution", ("softmax",), _drawn("softmax"), softmax_is_a_distribution),
+        Relation("single_visible_key_returns_its_value", ("causal_gqa",), _drawn("causal_gqa"),
                  single_visible_key_returns_its_value),
-        Relation("decode_is_last_row_of_causal", ("decode_gqa", "causal_gqa"), lambda d: cases("decode_gqa", d),
+        Relation("decode_is_last_row_of_causal", ("decode_gqa", "causal_gqa"), _drawn("decode_gqa"),
                  decode_is_last_row_of_causal),
-        Relation("wide_window_is_causal", ("sliding_gqa", "causal_gqa"), lambda d: cases("sliding_gqa", d),
+        Relation("wide_window_is_causal", ("sliding_gqa", "causal_gqa"), _drawn("sliding_gqa"),
                  wide_window_is_causal),
-        Relation("window_one_returns_own_value", ("sliding_gqa",), lambda d: cases("sliding_gqa", d),
+        Relation("window_one_returns_own_value", ("sliding_gqa",), _drawn("sliding_gqa"),
                  window_one_returns_own_value),
-        *(Relation(f"gqa_head_mapping_{op}", (op,), lambda d, op=op: _with_head(op, d), _head_mapping(op))
+        *(Relation(f"gqa_head_mapping_{op}", (op,), _own(_with_head, op), _head_mapping(op))
           for op in ("causal_gqa", "sliding_gqa", "decode_gqa")),
     )
 }

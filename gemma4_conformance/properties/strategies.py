@@ -106,7 +106,8 @@ def mask(shape, seed, pattern) -> np.ndarray:
 # Shapes --------------------------------------------------------------------------------------------
 
 rows = st.lists(st.integers(1, 5), min_size=0, max_size=2)  # leading (row) axes, possibly none
-features = st.sampled_from([1, 2, 3, 7, 8, 16, 64, 255, 256, 512, 1024, 3840])
+FEATURES = (1, 2, 3, 7, 8, 16, 64, 255, 256, 512, 1024, 3840)
+features = st.sampled_from(FEATURES)
 head_dims = st.sampled_from([1, 2, 4, 8, 16, 64, 128, 256, 512])
 gqa = st.sampled_from([(1, 1), (1, 2), (2, 2), (2, 4), (1, 16), (2, 8), (4, 4), (8, 2), (16, 1), (1, 3)])
 eps = st.sampled_from([1e-12, 1e-6, 1e-5, 1e-3, 1e-1]) | st.floats(1e-12, 1e-1)
@@ -186,9 +187,10 @@ def _dot_floats(dtype, shape):
 
 
 @st.composite
-def linear(draw, dtype, op, head=False):
-    """x times the op's weights (its other float arguments); ``head``: the LM head's mul and cap."""
-    K = draw(features)
+def linear(draw, dtype, op, head=False, block=1):
+    """x times the op's weights (its other float arguments); ``head``: the LM head's mul and cap;
+    ``block``: K a multiple of it (the rows of a block weight format's matrix are whole blocks)."""
+    K = draw(features if block == 1 else st.sampled_from([k for k in FEATURES if k % block == 0]))
     N = draw(st.sampled_from([1, 3, 8, 33, 64]))
     x_shape = draw(rows) + [K]
     args = {"x": draw(_dot_floats(dtype, x_shape))}

@@ -28,6 +28,7 @@ from functools import partial
 import numpy as np
 
 from gemma4_conformance import spec
+from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, WeightFormat
 from gemma4_conformance.spec import enclosures
 
 from . import baselines, budget, error_models, real_size, strategies
@@ -315,9 +316,25 @@ assert all(set(e.declared) == set(budget.budget(e.name, "float32").declared) for
     "an op has a declared term exactly where tolerances.yaml derives one"
 
 
-def cases(op: str, dtype: str):
-    """The Hypothesis strategy of ``op``'s cases in ``dtype``."""
-    return OPS[op].cases(dtype, op)
+WEIGHTS = frozenset({"W", "Wg", "Wu"})  # a product's weights: what a declared weight format holds
+
+
+def held_block(op: str, formats: dict[str, str]) -> int | None:
+    """The values per block of the block weight format (q8_0, ..., int4) that ``formats`` declare, where
+    ``op`` has weights: an adapter that declares one holds its weights in it, and the op tests hand them so
+    (judging.held).  None otherwise: fp8 weights are rounded from the dtype by the adapter itself, a
+    rounding their declared term bounds."""
+    fmt = WEIGHT_FORMATS.get(formats.get("weights"))
+    if not isinstance(fmt, WeightFormat) or not WEIGHTS & set(spec.CONTRACT[op].arg_names):
+        return None
+    return fmt.block
+
+
+def cases(op: str, dtype: str, formats: dict[str, str] | None = None):
+    """The Hypothesis strategy of ``op``'s cases in ``dtype``, its weights' rows whole blocks of the block
+    weight format ``formats`` declare, if any."""
+    block = held_block(op, formats or {})
+    return OPS[op].cases(dtype, op) if block is None else OPS[op].cases(dtype, op, block=block)
 
 
 def edge_cases(op: str) -> list[dict]:

@@ -9,6 +9,7 @@ from hypothesis import currently_in_test_context, given, reject
 from hypothesis import strategies as st
 from hypothesis import target
 
+from gemma4_conformance.adapters import declared_formats
 from gemma4_conformance.adapters.contract import ContractViolation, Refused, Unsupported
 from gemma4_conformance.report.record import MIN_INFORMATIVE, UnsupportedSkip
 
@@ -74,7 +75,8 @@ def test_matches_oracle(request, backend, adapter, dtype, op):
 
         @given(st.data())
         def examples(data):
-            check(request, backend, adapter, dtype, op, data.draw(cases(op, dtype), label="case"))
+            check(request, backend, adapter, dtype, op, data.draw(cases(op, dtype, declared_formats(adapter)),
+                                                                  label="case"))
 
         examples()
     record = request.config.conformance_recorder(adapter.name, dtype, op)
