@@ -905,6 +905,9 @@ class LlamaCpp:
     def lm_head(self, mul, cap, W, x):
         """spec.lm_head as llama.cpp's Gemma graph builds the logits: the product, ggml_scale by mul (its
         graph has none, mul 1), and with a cap ggml_scale(1 / cap), ggml_tanh, ggml_scale(cap), in float32."""
+        if cap is not None and cap == 0:
+            raise Unsupported("llama.cpp's graph reads a softcap of 0 as no cap (it builds the cap only where "
+                              "f_final_logit_softcapping is not 0), where the spec's cap 0 gives 0")
         return self._product("lm_head", [W], x, mul=mul, cap=cap)[0]
 
     def _product(self, op: str, weights: list, x, **head) -> list[np.ndarray]:
