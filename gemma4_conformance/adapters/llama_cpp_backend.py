@@ -673,8 +673,9 @@ class Products:
     types (``ggml_backend_dev_get_extra_bufts``: here CPU_REPACK, which interleaves Q4_0 and Q4_K weights of
     a multiple of 8 rows for AVX2's GEMM kernels) whose device supports the product with W there, else the
     plain CPU buffer; that is ``select_weight_buft`` of src/llama-model-loader.cpp, down to its probe with an
-    empty buffer (loading a Q4_K_M GGUF, llama.cpp logs "repack tensor ... with q4_K_8x8" for the same weights).  x is an F32 tensor ``[T, K]``, the graph computes on the CPU backend with the adapter's threads,
-    the F32 result ``[T, N]`` is read back, and every context and buffer is freed before returning."""
+    empty buffer (loading a Q4_K_M GGUF, llama.cpp logs "repack tensor ... with q4_K_8x8" for the same
+    weights).  x is an F32 tensor ``[T, K]``, the graph computes on the CPU backend with the adapter's
+    threads, the F32 result ``[T, N]`` is read back, and every context and buffer is freed before returning."""
 
     def __init__(self, lib: Library, threads: int):
         g = lib.ggml
@@ -770,9 +771,8 @@ class Products:
             if mul is not None and mul != 1:
                 out = g.ggml_scale(graph_ctx, out, float(mul))
             if cap is not None:
-                out = g.ggml_scale(graph_ctx, g.ggml_tanh(graph_ctx, g.ggml_scale(graph_ctx, out,
-                                                                                 float(np.float32(1) / np.float32(cap)))),
-                                   float(cap))
+                inverse = float(np.float32(1) / np.float32(cap))  # 1.0f / f_final_logit_softcapping
+                out = g.ggml_scale(graph_ctx, g.ggml_tanh(graph_ctx, g.ggml_scale(graph_ctx, out, inverse)), float(cap))
             graph = g.ggml_new_graph(graph_ctx)
             g.ggml_build_forward_expand(graph, out)
             placed = self.buffer_type(product, weight, (number, K, N))
@@ -855,7 +855,8 @@ class LlamaCpp:
         exported = ", ".join(str(path) for path in self._models if path.name == GGUF_NAME)
         return (f"llama-cpp-python {self.version}; KV cache {self.kv}"
                 f"{' (llama.cpp default)' if self.kv == DEFAULTS['kv'] else ''}; flash attention {fa}; "
-                + (f"op tests: {self.weights} weights through ggml_mul_mat on the CPU backend; " if self.weights else "")
+                + (f"op tests: {self.weights} weights through ggml_mul_mat on the CPU backend; "
+                   if self.weights else "")
                 + (f"activations rounded to {self.formats['activations']} blocks before each product with a "
                    f"quantized weight (declared)" if self.formats else
                    "activations float32, GGUF F32/BF16/F16 from convert_hf_to_gguf")
