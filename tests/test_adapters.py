@@ -146,6 +146,25 @@ class Rounding:
         self.formats = {"activations": "q8_0"}
 
 
+class DeclaresFromItsWeights:
+    """An adapter whose factory takes ``weights`` as its own option and declares what follows from it."""
+
+    name, dtypes = "declares-from-its-weights", ("float32",)
+
+    def __init__(self, weights="q8_0"):
+        self.weights = weights
+        self.formats = {"weights": weights, "activations": "q8_k" if weights.endswith("_k") else "q8_0"}
+
+
+def test_a_factory_taking_a_declared_key_gets_it_and_declares_itself():
+    adapter = load("tests.test_adapters:DeclaresFromItsWeights[weights=q4_k]")
+    assert isinstance(adapter, DeclaresFromItsWeights) and adapter.weights == "q4_k"  # not wrapped
+    assert adapters.declared_formats(adapter) == {"weights": "q4_k", "activations": "q8_k"}
+    # a key the factory does not take stays the suite's option, added to what the adapter declares
+    both = load("tests.test_adapters:DeclaresFromItsWeights[weights=q4_0,kv_cache=fp8_e4m3]")
+    assert adapters.declared_formats(both) == {"weights": "q4_0", "activations": "q8_0", "kv_cache": "fp8_e4m3"}
+
+
 def test_declared_formats_come_from_the_adapter_or_its_options():
     assert adapters.declared_formats(load("tests.test_adapters:Rounding")) == {"activations": "q8_0"}
     assert adapters.declared_formats(load("tests.test_adapters:Rounding[activations=q8_k]")) == {"activations": "q8_k"}

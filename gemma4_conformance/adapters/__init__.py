@@ -122,17 +122,20 @@ def load(spec: str, device: str | None = None):
     """The adapter named by ``spec`` (see the module docstring), checked for ``name`` and ``dtypes``;
     ``device`` goes to a factory with a ``device`` parameter whose spec does not set one."""
     name, options = parse(spec)
-    declared = {key: options.pop(key) for key in DECLARED_FORMATS if key in options}
     try:
         obj = _resolve(name)
     except AdapterError:
         raise
     except Exception as e:  # an import error inside the user's module is theirs, but name the backend
         raise AdapterError(f"backend {spec!r} could not be loaded: {type(e).__name__}: {e}") from e
+    # A declared format is the suite's option, unless the factory takes it as its own (llama.cpp's ``weights``,
+    # from which it declares the activations' format too): then the adapter declares it.
+    declared = {key: options.pop(key) for key in DECLARED_FORMATS
+                if key in options and not (_is_factory(obj) and _takes(obj, key))}
     if options and not _is_factory(obj):
         raise AdapterError(f"backend {spec!r}: {name!r} is an adapter object or module, which takes no options")
     if _is_factory(obj):
-        if device is not None and "device" not in options and _takes_device(obj):
+        if device is not None and "device" not in options and _takes(obj, "device"):
             options = {**options, "device": device}
         try:
             signature = inspect.signature(obj)
@@ -229,9 +232,9 @@ def declared_formats(adapter) -> dict[str, str]:
     return dict(getattr(adapter, "formats", {}))
 
 
-def _takes_device(factory) -> bool:
+def _takes(factory, parameter: str) -> bool:
     try:
-        return "device" in inspect.signature(factory).parameters
+        return parameter in inspect.signature(factory).parameters
     except ValueError:  # no signature (a builtin): it cannot be told
         return False
 

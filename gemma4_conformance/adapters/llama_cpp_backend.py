@@ -9,6 +9,7 @@
   ``$GEMMA4_CONFORMANCE_CACHE`` or ``~/.cache/gemma4-conformance``); ``source``: the llama.cpp source
   tree whose converter is used (default ``$LLAMA_CPP_SOURCE``, else the tree ``fetch-converter``
   stored in the cache, see below).
+* ``weights``: ``q8_0``, ``q4_0``, ``q4_k`` or ``q6_k`` (``OP_WEIGHTS``): the op tests' weight format (below).
 
 The adapter's name carries the settings (``llama.cpp-kv_f16-fa_auto``), so two settings of the
 engine are two backends in a run, its report and its deviations file.
@@ -68,6 +69,13 @@ adapter never asks for a bare rms_norm that a multiplication follows: asking spl
 which would stop the CPU backend fusing rms_norm with its weight's multiplication, and the traced
 run would not be the run the logits come from. ``hidden_states`` are the ``l_out-i`` tensors.
 
+**Op tests** (``linear``, ``gate_up``, ``lm_head``; docs/engines.md): with ``weights=F`` the op tests hand W as
+a ``QuantizedWeight`` in F, whose blocks ggml's CPU backend multiplies as llama.cpp's forward does
+(``Products``); the adapter declares ``{"weights": F, "activations": A}``, A what llama.cpp rounds x to for F
+(``op_formats``).  The declaration then holds for the forward and the session too: a quantized GGUF that does
+not hold F's blocks or rounds x otherwise is refused, a float GGUF runs (it rounds nothing declared).  Without
+the option the op methods still compute a QuantizedWeight, and refuse what they cannot (``Unsupported``).
+
 **Session** (the serving contract): one llama.cpp context whose unified KV cache holds every live
 sequence; each ``step`` is one batch in which every token carries its sequence's slot id and
 position, with every position's logits; ``release`` removes the slot's cells
@@ -100,9 +108,11 @@ from pathlib import Path
 
 import numpy as np
 
+from gemma4_conformance.adapters.contract import Unsupported
 from gemma4_conformance.checkpoints.checkpoint import refuse_quantized
 from gemma4_conformance.checkpoints.config import TextConfig
 from gemma4_conformance.checkpoints.gguf_file import GGUF_NAME, GGUFExportError, export
+from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, QuantizedWeight
 from gemma4_conformance.spec import format_of
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -466,16 +476,21 @@ class Library:
         return np.array(strided, dtype=np.float32)
 
 
-def declared_activations(gguf_path: Path) -> dict[str, str]:
-    """The ``formats`` llama.cpp's CPU products have on the GGUF ``gguf_path``: ``{"activations": f}``, f the
-    ``vec_dot_type`` of its block types (VEC_DOT_TYPES), ``{}`` for a float GGUF.  A GGUF whose block types
-    round x to both q8_0 and q8_K is refused: a declaration is the adapter's, not a tensor's."""
+def block_types(gguf_path: Path) -> set[str]:
+    """The block types (VEC_DOT_TYPES' keys) of the GGUF ``gguf_path``'s tensors; none for a float GGUF."""
     import gguf
 
+    return {t.tensor_type.name for t in gguf.GGUFReader(gguf_path).tensors if t.tensor_type.name in VEC_DOT_TYPES}
+
+
+def declared_activations(gguf_path: Path, types: set[str] | None = None) -> dict[str, str]:
+    """The ``formats`` llama.cpp's CPU products have on the GGUF ``gguf_path`` (whose ``block_types`` are
+    ``types`` where given): ``{"activations": f}``, f the ``vec_dot_type`` of its block types (VEC_DOT_TYPES),
+    ``{}`` for a float GGUF.  A GGUF whose block types round x to both q8_0 and q8_K is refused: a declaration
+    is the adapter's, not a tensor's."""
     by_format: dict[str, set[str]] = {}
-    for t in gguf.GGUFReader(gguf_path).tensors:
-        if t.tensor_type.name in VEC_DOT_TYPES:
-            by_format.setdefault(VEC_DOT_TYPES[t.tensor_type.name], set()).add(t.tensor_type.name)
+    for name in block_types(gguf_path) if types is None else types:
+        by_format.setdefault(VEC_DOT_TYPES[name], set()).add(name)
     if len(by_format) > 1:
         mixed = "; ".join(f"{', '.join(sorted(types))} round x to {fmt}" for fmt, types in sorted(by_format.items()))
         raise ValueError(f"{gguf_path} mixes block types whose products round their input to different formats "
@@ -485,15 +500,17 @@ def declared_activations(gguf_path: Path) -> dict[str, str]:
 
 
 class Model:
-    """A loaded GGUF (``llama_model``), shared by an adapter's forwards and sessions; ``formats``: what its
-    products round beyond the dtype under test (``declared_activations``)."""
+    """A loaded GGUF (``llama_model``), shared by an adapter's forwards and sessions; ``block_types``: its
+    quantized tensors' types; ``formats``: what its products round beyond the dtype under test
+    (``declared_activations``)."""
 
     def __init__(self, lib: Library, path: Path):
         L = lib.L
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
         self.lib, self.path = lib, path
-        self.formats = declared_activations(path)
+        self.block_types = block_types(path)
+        self.formats = declared_activations(path, self.block_types)
         self.ptr = L.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
             raise RuntimeError(f"llama.cpp could not load {path}:\n{lib.log_tail()}")
@@ -591,6 +608,203 @@ def _cells(n: int) -> int:
     return max(256, -(-n // 256) * 256)
 
 
+# ---- op level: ggml's matrix product on quantized weights ------------------------------------------
+
+class InitParams(ctypes.Structure):
+    """``struct ggml_init_params`` of ggml.h."""
+
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+_P, _SIZE, _INT = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+# The ggml functions the products call: (result, arguments), as ggml.h, ggml-alloc.h, ggml-backend.h and
+# ggml-cpu.h declare them in the headers llama-cpp-python 0.3.36 installs (site-packages/include).  ctypes
+# finds them all through libggml, which links libggml-base and libggml-cpu.
+_PRODUCT_FUNCTIONS = {
+    "ggml_init": (_P, [InitParams]),
+    "ggml_free": (None, [_P]),
+    "ggml_tensor_overhead": (_SIZE, []),
+    "ggml_graph_overhead": (_SIZE, []),
+    "ggml_type_name": (ctypes.c_char_p, [_INT]),
+    "ggml_blck_size": (ctypes.c_int64, [_INT]),
+    "ggml_type_size": (_SIZE, [_INT]),
+    "ggml_nbytes": (_SIZE, [_P]),
+    "ggml_new_tensor_2d": (_P, [_P, _INT, ctypes.c_int64, ctypes.c_int64]),
+    "ggml_mul_mat": (_P, [_P, _P, _P]),
+    "ggml_scale": (_P, [_P, _P, ctypes.c_float]),
+    "ggml_tanh": (_P, [_P, _P]),
+    "ggml_new_graph": (_P, [_P]),
+    "ggml_build_forward_expand": (None, [_P, _P]),
+    "ggml_backend_dev_by_type": (_P, [_INT]),
+    "ggml_backend_dev_backend_reg": (_P, [_P]),
+    "ggml_backend_reg_get_proc_address": (_P, [_P, ctypes.c_char_p]),
+    "ggml_backend_dev_buffer_type": (_P, [_P]),
+    "ggml_backend_dev_supports_op": (ctypes.c_bool, [_P, _P]),
+    "ggml_backend_buft_name": (ctypes.c_char_p, [_P]),
+    "ggml_backend_buft_alloc_buffer": (_P, [_P, _SIZE]),
+    "ggml_backend_buffer_free": (None, [_P]),
+    "ggml_backend_alloc_ctx_tensors_from_buft": (_P, [_P, _P]),
+    "ggml_backend_tensor_set": (None, [_P, _P, _SIZE, _SIZE]),
+    "ggml_backend_tensor_get": (None, [_P, _P, _SIZE, _SIZE]),
+    "ggml_backend_graph_compute": (_INT, [_P, _P]),
+    "ggml_backend_cpu_init": (_P, []),
+    "ggml_backend_cpu_set_n_threads": (None, [_P, _INT]),
+    "ggml_backend_free": (None, [_P]),
+}
+DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type: GGML_BACKEND_DEVICE_TYPE_CPU
+_EXTRA_BUFTS = ctypes.CFUNCTYPE(ctypes.POINTER(_P), _P)  # ggml_backend_dev_get_extra_bufts_t
+# The weight formats whose products llama.cpp's op tests run: GGUF's block types, each rounding x to its
+# vec_dot_type (VEC_DOT_TYPES); what the option ``weights`` takes.
+OP_WEIGHTS = tuple(name for name, f in WEIGHT_FORMATS.items() if f.ggml_type in VEC_DOT_TYPES)
+
+
+def op_formats(weights: str) -> dict[str, str]:
+    """What an adapter whose op tests hand it ``weights`` blocks declares: the weights, and the format llama.cpp's
+    CPU products round x to for them (VEC_DOT_TYPES)."""
+    return {"weights": weights, "activations": VEC_DOT_TYPES[WEIGHT_FORMATS[weights].ggml_type]}
+
+
+class Products:
+    """ggml's matrix product ``ggml_mul_mat(W, x)`` of a quantized weight and float32 x, computed by ggml's CPU
+    backend as llama.cpp's CPU forward computes it (docs/engines.md, "Op tests on quantized weights").
+
+    W is a 2-D tensor of its GGML block type holding the blocks' bytes as stored (GGUF's layout, row by row),
+    in the buffer type llama.cpp's model loader would put it in: the first of the CPU device's extra buffer
+    types (``ggml_backend_dev_get_extra_bufts``: here CPU_REPACK, which interleaves Q4_0 and Q4_K weights of
+    a multiple of 8 rows for AVX2's GEMM kernels) whose device supports the product with W there, else the
+    plain CPU buffer; that is ``select_weight_buft`` of src/llama-model-loader.cpp, down to its probe with an
+    empty buffer (loading a Q4_K_M GGUF, llama.cpp logs "repack tensor ... with q4_K_8x8" for the same
+    weights).  x is an F32 tensor ``[T, K]``, the graph computes on the CPU backend with the adapter's
+    threads, the F32 result ``[T, N]`` is read back, and every context and buffer is freed before returning."""
+
+    def __init__(self, lib: Library, threads: int):
+        g = lib.ggml
+        for name, (result, arguments) in _PRODUCT_FUNCTIONS.items():
+            function = getattr(g, name)
+            function.restype, function.argtypes = result, arguments
+        self.g, self.lib = g, lib
+        self.types = self._types()
+        self.device = g.ggml_backend_dev_by_type(DEVICE_TYPE_CPU)
+        if not self.device:
+            raise SetupError("ggml has no CPU device: llama-cpp-python's libggml-cpu did not register")
+        get_extra = g.ggml_backend_reg_get_proc_address(g.ggml_backend_dev_backend_reg(self.device),
+                                                        b"ggml_backend_dev_get_extra_bufts")
+        extra = _EXTRA_BUFTS(get_extra)(self.device) if get_extra else None
+        self.buffer_types = []
+        while extra and extra[len(self.buffer_types)]:
+            self.buffer_types.append(extra[len(self.buffer_types)])
+        self.buffer_types.append(g.ggml_backend_dev_buffer_type(self.device))
+        self.backend = g.ggml_backend_cpu_init()
+        g.ggml_backend_cpu_set_n_threads(self.backend, threads)
+        self._placed: dict[tuple[int, int, int], int] = {}  # (type, K, N) -> the buffer type W goes in
+
+    def _types(self) -> dict[str, int]:
+        """OP_WEIGHTS' formats -> their number in enum ggml_type: GGUF's (the ``gguf`` package's
+        GGMLQuantizationType), checked against the installed ggml's name, block size and block bytes for it."""
+        import gguf
+
+        g, types = self.g, {}
+        for fmt in OP_WEIGHTS:
+            f = WEIGHT_FORMATS[fmt]
+            number = gguf.GGMLQuantizationType[f.ggml_type].value
+            found = (g.ggml_type_name(number).decode().upper(), g.ggml_blck_size(number), g.ggml_type_size(number))
+            if found != (f.ggml_type, f.block, f.block_bytes):
+                raise SetupError(f"the installed ggml's type {number} is {found[0]} of {found[1]} values in {found[2]} "
+                                 f"bytes, not GGUF's {f.ggml_type} ({f.block} in {f.block_bytes}): its "
+                                 f"llama-cpp-python is not the version the adapter binds")
+            types[fmt] = number
+        return types
+
+    def buffer_type(self, product: int, weight: int, key: tuple[int, int, int]) -> int:
+        """The buffer type llama.cpp's loader gives ``weight``, of the tensor ``product``: the first whose
+        device supports the product with the weight in an empty buffer of it (``key``: its type, K, N)."""
+        if key not in self._placed:
+            g, tensor = self.g, GgmlTensor.from_address(weight)
+            for buffer_type in self.buffer_types:
+                probe = g.ggml_backend_buft_alloc_buffer(buffer_type, 0)
+                tensor.buffer = probe
+                try:
+                    supported = g.ggml_backend_dev_supports_op(self.device, product)
+                finally:
+                    tensor.buffer = None
+                    g.ggml_backend_buffer_free(probe)
+                if supported:
+                    self._placed[key] = buffer_type
+                    break
+            else:
+                raise RuntimeError(f"ggml's CPU device supports no buffer type for a product with a "
+                                   f"{g.ggml_type_name(key[0]).decode()} weight [{key[2]}, {key[1]}]")
+        return self._placed[key]
+
+    def buffer_name(self, fmt: str, N: int, K: int) -> str:
+        """The buffer type a ``[N, K]`` weight in ``fmt`` is placed in (CPU_REPACK or CPU): which kernel runs."""
+        x = np.zeros((1, K), np.float32)
+        self(QuantizedWeight(fmt, np.zeros(WEIGHT_FORMATS[fmt].stored_shape((N, K)), np.uint8), (N, K)), x)
+        return self.g.ggml_backend_buft_name(self._placed[(self.types[fmt], K, N)]).decode()
+
+    def __call__(self, W: QuantizedWeight, x: np.ndarray, mul: float | None = None,
+                 cap: float | None = None) -> np.ndarray:
+        """``[T, N]`` float32: ggml_mul_mat(W, x), x float32 ``[T, K]``; then, as llama.cpp's Gemma graph
+        builds the logits (src/models/gemma4.cpp), ``ggml_scale`` by ``mul`` where it is given (Gemma's graph
+        has none: 1) and, with a ``cap``, ggml_scale(1 / cap), ggml_tanh, ggml_scale(cap), in float32."""
+        g = self.g
+        N, K = W.shape
+        T = len(x)
+        number = self.types[W.format]
+        stored = np.ascontiguousarray(W.stored, dtype=np.uint8)
+        if stored.shape != WEIGHT_FORMATS[W.format].stored_shape((N, K)) or x.shape != (T, K):
+            raise ValueError(f"a {W.format} weight [{N}, {K}] stored as {list(stored.shape)} bytes and x "
+                             f"{list(x.shape)}: the blocks or x do not fit the matrix")
+        if T == 0:
+            return np.zeros((0, N), np.float32)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        overhead = g.ggml_tensor_overhead()
+        weights_ctx = g.ggml_init(InitParams(overhead, None, True))
+        graph_ctx = g.ggml_init(InitParams(8 * overhead + g.ggml_graph_overhead(), None, True))
+        buffers = []
+        try:
+            if not weights_ctx or not graph_ctx:
+                raise MemoryError("ggml_init could not allocate a context's metadata")
+            weight = g.ggml_new_tensor_2d(weights_ctx, number, K, N)
+            inputs = g.ggml_new_tensor_2d(graph_ctx, GGML_TYPES["f32"], K, T)
+            product = out = g.ggml_mul_mat(graph_ctx, weight, inputs)
+            if mul is not None and mul != 1:
+                out = g.ggml_scale(graph_ctx, out, float(mul))
+            if cap is not None:
+                inverse = float(np.float32(1) / np.float32(cap))  # 1.0f / f_final_logit_softcapping
+                out = g.ggml_scale(graph_ctx, g.ggml_tanh(graph_ctx, g.ggml_scale(graph_ctx, out, inverse)), float(cap))
+            graph = g.ggml_new_graph(graph_ctx)
+            g.ggml_build_forward_expand(graph, out)
+            placed = self.buffer_type(product, weight, (number, K, N))
+            for ctx, buffer_type in ((weights_ctx, placed), (graph_ctx, self.buffer_types[-1])):
+                buffers.append(g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buffer_type))
+                if not buffers[-1]:
+                    raise MemoryError(f"ggml could not allocate a buffer for a product [{T}, {K}] x [{N}, {K}]")
+            if g.ggml_nbytes(weight) != stored.nbytes:
+                raise RuntimeError(f"ggml holds a {W.format} [{N}, {K}] in {g.ggml_nbytes(weight)} bytes, the "
+                                   f"blocks are {stored.nbytes}: the installed ggml is not the layout bound here")
+            g.ggml_backend_tensor_set(weight, stored.ctypes.data, 0, stored.nbytes)
+            g.ggml_backend_tensor_set(inputs, x.ctypes.data, 0, x.nbytes)
+            status = g.ggml_backend_graph_compute(self.backend, graph)
+            if status != 0:
+                raise RuntimeError(f"ggml_backend_graph_compute returned {status}:\n{self.lib.log_tail()}")
+            result = np.empty((T, N), np.float32)
+            g.ggml_backend_tensor_get(out, result.ctypes.data, 0, result.nbytes)
+            return result
+        finally:
+            for buffer in buffers:
+                if buffer:
+                    g.ggml_backend_buffer_free(buffer)
+            for ctx in (graph_ctx, weights_ctx):
+                if ctx:
+                    g.ggml_free(ctx)
+
+    def close(self):
+        if self.backend:
+            self.g.ggml_backend_free(self.backend)
+            self.backend = None
+
+
 class LlamaCpp:
     """The llama.cpp backend (module docstring); options as strings, as ``--backend`` passes them."""
 
@@ -603,7 +817,10 @@ class LlamaCpp:
     invariance = frozenset()
 
     def __init__(self, kv: str = DEFAULTS["kv"], fa: str = DEFAULTS["fa"], threads: str | None = None,
-                 cache_dir: str | None = None, source: str | None = None):
+                 cache_dir: str | None = None, source: str | None = None, weights: str | None = None):
+        if weights is not None and weights not in OP_WEIGHTS:
+            raise ValueError(f"weights={weights!r}: llama.cpp's op tests take W in one of GGUF's block formats "
+                             f"{', '.join(OP_WEIGHTS)}, whose products ggml computes")
         if kv not in KV_TYPES:
             raise ValueError(f"kv={kv!r}: the KV cache type must be one of {', '.join(KV_TYPES)}")
         if fa not in FLASH_ATTENTION:
@@ -619,9 +836,13 @@ class LlamaCpp:
         self.conversions: dict[tuple[str, str], Conversion] = {}  # (checkpoint, dtype) -> its GGUF
         self._models: dict[Path, Model] = {}
         self.flash_attention: bool | None = None  # what fa resolved to in the last forward
-        # What the GGUF of the last forward or session rounds beyond the dtype under test (Model.formats): a
-        # quantized GGUF's activation format, so that its products are judged with its derived term.
-        self.formats: dict[str, str] = {}
+        # What the adapter rounds beyond the dtype under test.  With ``weights``: that weight format and the
+        # activation format llama.cpp rounds x to for it (op_formats), for the op tests and every forward.
+        # Without: what the GGUF of the last forward or session rounds (Model.formats), a quantized GGUF's
+        # activation format, so that its products are judged with its derived term.
+        self.weights = weights
+        self.formats: dict[str, str] = op_formats(weights) if weights else {}
+        self._products: Products | None = None
 
     @property
     def notes(self) -> str:
@@ -634,6 +855,8 @@ class LlamaCpp:
         exported = ", ".join(str(path) for path in self._models if path.name == GGUF_NAME)
         return (f"llama-cpp-python {self.version}; KV cache {self.kv}"
                 f"{' (llama.cpp default)' if self.kv == DEFAULTS['kv'] else ''}; flash attention {fa}; "
+                + (f"op tests: {self.weights} weights through ggml_mul_mat on the CPU backend; "
+                   if self.weights else "")
                 + (f"activations rounded to {self.formats['activations']} blocks before each product with a "
                    f"quantized weight (declared)" if self.formats else
                    "activations float32, GGUF F32/BF16/F16 from convert_hf_to_gguf")
@@ -659,8 +882,59 @@ class LlamaCpp:
         path = self.gguf(checkpoint, dtype)
         if path not in self._models:
             self._models[path] = Model(Library.get(), path)
-        self.formats = self._models[path].formats
-        return self._models[path]
+        model = self._models[path]
+        if self.weights is None:
+            self.formats = model.formats
+        elif model.block_types and (model.formats != {"activations": self.formats["activations"]}
+                                    or WEIGHT_FORMATS[self.weights].ggml_type not in model.block_types):
+            raise ValueError(f"{self.name} declares weights={self.weights} (activations "
+                             f"{self.formats['activations']}), and {path} holds {', '.join(sorted(model.block_types))} "
+                             f"blocks: its products would round beyond the declaration (run the forward on a GGUF "
+                             f"holding {WEIGHT_FORMATS[self.weights].ggml_type}, or without the option)")
+        return model
+
+    # ---- op level: the products of quantized weights (Products) --------------------------------------
+
+    def linear(self, W, x):
+        """``x W^T`` (spec.linear) with W a QuantizedWeight, through ggml_mul_mat on the CPU backend."""
+        return self._product("linear", [W], x)[0]
+
+    def gate_up(self, Wg, Wu, x):
+        """spec.gate_up: ``Wg x`` and ``Wu x`` (two products, as llama.cpp's ffn_gate and ffn_up), joined gate first."""
+        return np.concatenate(self._product("gate_up", [Wg, Wu], x), axis=-1)
+
+    def lm_head(self, mul, cap, W, x):
+        """spec.lm_head as llama.cpp's Gemma graph builds the logits: the product, ggml_scale by mul (its
+        graph has none, mul 1), and with a cap ggml_scale(1 / cap), ggml_tanh, ggml_scale(cap), in float32."""
+        if cap is not None and cap == 0:
+            raise Unsupported("llama.cpp's graph reads a softcap of 0 as no cap (it builds the cap only where "
+                              "f_final_logit_softcapping is not 0), where the spec's cap 0 gives 0")
+        return self._product("lm_head", [W], x, mul=mul, cap=cap)[0]
+
+    def _product(self, op: str, weights: list, x, **head) -> list[np.ndarray]:
+        """Each of ``weights`` times x (``[..., K]``): x in the dtype under test converted to float32 (exactly),
+        llama.cpp's float32 result rounded to that dtype once.  Arguments the op tests may hand that llama.cpp's
+        products do not take are refused (``Unsupported``, a skip with the reason)."""
+        x = np.asarray(x)
+        dtype = str(x.dtype)
+        if dtype not in DTYPES:
+            raise Unsupported(f"llama.cpp's {op} runs x in {', '.join(DTYPES)} (its activations are float32), "
+                              f"not {dtype}")
+        for W in weights:
+            fmt = getattr(W, "format", None)
+            if not isinstance(W, QuantizedWeight) or fmt not in OP_WEIGHTS:
+                got = f"a {fmt} QuantizedWeight" if isinstance(W, QuantizedWeight) else f"W as {type(W).__name__}"
+                raise Unsupported(f"llama.cpp's {op} takes W as a QuantizedWeight in a GGUF block format its "
+                                  f"products compute ({', '.join(OP_WEIGHTS)}), as --backend='llama.cpp[weights=...]' "
+                                  f"declares; got {got}")
+            if self.weights is not None and fmt != self.weights:
+                raise Unsupported(f"{self.name} declares weights={self.weights}, and {op} was handed {fmt} blocks, "
+                                  f"whose products round x to a format it did not declare")
+        if self._products is None:
+            self._products = Products(Library.get(), self.threads)
+        rows = x.astype(np.float32).reshape(-1, x.shape[-1])
+        return [self._products(W, rows, **head).astype(x.dtype).reshape(*x.shape[:-1], W.shape[0])
+                for W in weights]
 
     def forward(self, weights, config, tokens, dtype: str, checkpoint=None) -> dict:
         """Every position's logits, the layers' outputs and the trace of one llama.cpp decode of ``tokens``."""
@@ -689,6 +963,9 @@ class LlamaCpp:
         for model in self._models.values():
             model.close()
         self._models.clear()
+        if self._products is not None:
+            self._products.close()
+            self._products = None
 
 
 class Session:
