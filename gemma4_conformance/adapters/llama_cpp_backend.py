@@ -933,8 +933,9 @@ class LlamaCpp:
         if self._products is None:
             self._products = Products(Library.get(), self.threads)
         rows = x.astype(np.float32).reshape(-1, x.shape[-1])
-        return [self._products(W, rows, **head).astype(x.dtype).reshape(*x.shape[:-1], W.shape[0])
-                for W in weights]
+        with np.errstate(over="ignore"):  # past the dtype's range the rounding is inf, as the spec's is
+            return [self._products(W, rows, **head).astype(x.dtype).reshape(*x.shape[:-1], W.shape[0])
+                    for W in weights]
 
     def forward(self, weights, config, tokens, dtype: str, checkpoint=None) -> dict:
         """Every position's logits, the layers' outputs and the trace of one llama.cpp decode of ``tokens``."""
