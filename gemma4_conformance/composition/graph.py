@@ -37,7 +37,7 @@ class AdapterOps:
         return out
 
     def weight(self, array):
-        return np.asarray(array).astype(format_of(self.dtype).dtype)
+        return np.asarray(array).astype(format_of(self.dtype).dtype, copy=False)  # the ops get copies (contract.call)
 
 
 class TraceRecorder:

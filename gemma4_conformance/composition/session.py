@@ -211,7 +211,7 @@ class Session:
         self.config = config if isinstance(config, TextConfig) else TextConfig.from_dict(config)
         self.dtype = dtype
         self.ops = SessionOps(adapter, dtype)
-        self.weights = _resident(weights)
+        self.weights = _resident(weights, dtype)
         self.cache = self.Cache(self.config, format_of(dtype).dtype)
         self.slots: dict[int, int] = {}  # live sequence id -> its cache slot
 
@@ -280,12 +280,13 @@ class Session:
         return out
 
 
-def _resident(weights: Mapping) -> Mapping:
-    """The weights read into memory once when they are small (a lazily mapped checkpoint would map
-    every tensor again at every step); a large checkpoint keeps streaming a layer at a time."""
+def _resident(weights: Mapping, dtype: str) -> Mapping:
+    """The weights read into memory once, in the dtype the ops take them in, when they are small (a lazily
+    mapped checkpoint would map every tensor again, and cast it, at every step); a large checkpoint keeps
+    streaming a layer at a time."""
     if sum(np.asarray(weights[name]).nbytes for name in weights) > RESIDENT_BYTES:
         return weights
-    return {name: np.array(weights[name]) for name in weights}
+    return {name: np.asarray(weights[name]).astype(format_of(dtype).dtype) for name in weights}
 
 
 def open_session(adapter, weights: Mapping, config, dtype: str, checkpoint: str | None = None):

@@ -15,7 +15,7 @@ Argument kinds:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,6 +34,7 @@ class OpContract:
     module: str  # the Lean file it comes from
     args: tuple[Arg, ...]
     out: str  # shape pattern of the result
+    _matched: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # shapes -> _match
 
     @property
     def arg_names(self) -> tuple[str, ...]:
@@ -41,23 +42,37 @@ class OpContract:
 
     def bind(self, *args) -> tuple[dict[str, int], tuple[int, ...]]:
         """Check the arguments against the contract; return the named dimensions and the row axes."""
-        dims: dict[str, int] = {}
-        batch: list[tuple[int, ...]] = []
+        dims, rows, _ = self._checked(args)
+        return dict(dims), rows
+
+    def output_shape(self, *args) -> tuple[int, ...]:
+        """Check the arguments against the contract and return the result's shape."""
+        return self._checked(args)[2]
+
+    def _checked(self, args: tuple) -> tuple[tuple, tuple[int, ...], tuple[int, ...]]:
+        """(the named dimensions as items, the row axes, the result's shape); the shapes' part is kept per
+        shapes, since a forward calls each op with a few shapes, thousands of times."""
         if len(args) != len(self.args):
             raise TypeError(f"{self.name} takes {len(self.args)} arguments {self.arg_names}, got {len(args)}")
         for spec, value in zip(self.args, args):
-            if spec.kind in ARRAY_KINDS:
-                _match(self.name, spec, np.shape(value), dims, batch)
             if spec.kind == "index" and np.size(value) and np.min(value) < 0:
                 raise ValueError(f"{self.name}: {spec.name} must be >= 0")
         if self.name == "embed" and np.size(args[2]) and np.max(args[2]) >= np.shape(args[1])[0]:
             raise ValueError(f"embed: a token id is >= the vocabulary size {np.shape(args[1])[0]}")
-        return dims, batch[0] if batch else ()
+        shapes = tuple(np.shape(value) if spec.kind in ARRAY_KINDS else None for spec, value in zip(self.args, args))
+        known = self._matched.get(shapes)
+        if known is None:
+            known = self._matched[shapes] = self._match(shapes)
+        return known
 
-    def output_shape(self, *args) -> tuple[int, ...]:
-        """Check the arguments against the contract and return the result's shape."""
-        dims, rows = self.bind(*args)
-        return _build(self.out, dims, rows)
+    def _match(self, shapes: tuple) -> tuple[tuple, tuple[int, ...], tuple[int, ...]]:
+        dims: dict[str, int] = {}
+        batch: list[tuple[int, ...]] = []
+        for spec, shape in zip(self.args, shapes):
+            if shape is not None:
+                _match(self.name, spec, shape, dims, batch)
+        rows = batch[0] if batch else ()
+        return tuple(dims.items()), rows, _build(self.out, dims, rows)
 
 
 ARRAY_KINDS = ("float", "index", "mask")
