@@ -27,7 +27,7 @@ as vLLM's fp8 linear does, and declares those formats (``Fp8Eager``, docs/quanti
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import ml_dtypes
@@ -420,7 +420,8 @@ class TorchAdapter:
         self.invariance = frozenset({"run"}) if self.torch_device.type == "cpu" else frozenset()
 
     def _modes(self):
-        return forced_modes(self.tf32, self.reduced)
+        # nothing forced: no context to enter, which costs as much as a small op's kernel
+        return forced_modes(self.tf32, self.reduced) if self.forced else nullcontext()
 
     def _tensor(self, a, kind: str):
         """A contract argument as the op takes it: arrays as tensors on the device, bits unchanged."""
