@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from gemma4_conformance.adapters import declared_formats, load, numpy_backend
-from gemma4_conformance.composition.graph import composed
+from gemma4_conformance.checkpoints import checkpoint, generate
+from gemma4_conformance.checkpoints.quantized import QuantizedWeight
+from gemma4_conformance.composition.graph import AdapterOps, TraceRecorder, composed
 from gemma4_conformance.report.data import trace_entry
 from gemma4_conformance.properties.trace import (
     FAILED,
@@ -22,8 +24,11 @@ from gemma4_conformance.properties.trace import (
     _judge,
     completed,
     judge_trace,
+    replay,
 )
-from tests.quantized_engines import DECLARED, FP8_DECLARED, FP8_FORMATS, KV_DECLARED
+from gemma4_conformance.spec import format_of
+from gemma4_conformance.spec.model import forward
+from tests.quantized_engines import DECLARED, FP8_DECLARED, FP8_FORMATS, KV_DECLARED, Q8_0_WEIGHTS
 from tests.trace_engines import WRONG_OPS, OneWrongNode, small_model
 
 
@@ -184,3 +189,43 @@ def test_a_node_whose_inputs_its_declared_format_cannot_hold_fails_saying_so():
     assert "the declared activations format q8_0 cannot hold these inputs" in node.message
     summary = TraceVerdict("float32", [node]).summary()
     assert summary.startswith("first departing node layers.0.q_proj (linear, float32)"), summary
+
+
+class HoldsBlocks(AdapterOps):
+    """The graph's ops for an engine holding a q8_0 checkpoint's matrices in their blocks: its products take
+    W as a QuantizedWeight of the exact values (q8_0's blocks are quantized again without loss: each
+    block's largest q is 127), the other ops take their arrays in the dtype."""
+
+    def weight(self, array):
+        return np.asarray(array)  # float64 for a quantized tensor: its exact values
+
+    def call(self, name, *args):
+        held = name in ("linear", "gate_up", "lm_head")
+        dtype = format_of(self.dtype).dtype
+        args = [QuantizedWeight.of("q8_0", a) if held and isinstance(a, np.ndarray) and a.dtype == np.float64
+                else a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype == np.float64 else a for a in args]
+        return super().call(name, *args)
+
+
+def test_an_engine_holding_block_weights_is_judged_on_their_exact_values_in_its_trace(tmp_path):
+    """Issue 36, item 2: the trace of an engine that declares a block weight format is judged on the
+    checkpoint's exact quantized W (float32 here, where q8_0's 19 bits fit), not on W rounded to the dtype
+    under test as the op contract hands it to an engine that declares none; every node passes in bfloat16."""
+    config = generate.small_config()
+    config.update(num_hidden_layers=6, layer_types=config["layer_types"][:6])
+    weights = checkpoint.load(generate.write_checkpoint(tmp_path, config, weight_format="q8_0"))
+    tokens = np.random.default_rng(0).integers(0, weights.config.vocab_size, 12)
+    recorder = TraceRecorder()
+    out = forward(HoldsBlocks(Q8_0_WEIGHTS, "bfloat16", observe=recorder), weights.config, weights, tokens)
+    trace = completed(recorder.trace, out, weights.config)
+    given = judge_trace(trace, weights.config, weights, tokens, "bfloat16", formats=declared_formats(Q8_0_WEIGHTS))
+    assert set(outcomes(given).values()) == {PASSED}, given.summary()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert name in weights.weight_formats
+    for exact, want in ((True, np.asarray(weights[name], dtype=np.float32)),
+                        (False, np.asarray(weights[name]).astype(format_of("bfloat16").dtype))):
+        (q_proj,) = [c for c in replay(trace, weights.config, weights, tokens, "bfloat16", exact_weights=exact)
+                     if c.node == "layers.0.q_proj"]
+        W = q_proj.args[0]
+        assert W.dtype == want.dtype and np.array_equal(W, want)
+    assert not np.array_equal(np.asarray(weights[name]), np.asarray(weights[name]).astype(format_of("bfloat16").dtype))

@@ -324,10 +324,16 @@ def held_block(op: str, formats: dict[str, str]) -> int | None:
     ``op`` has weights: an adapter that declares one holds its weights in it, and the op tests hand them so
     (judging.held).  None otherwise: fp8 weights are rounded from the dtype by the adapter itself, a
     rounding their declared term bounds."""
-    fmt = WEIGHT_FORMATS.get(formats.get("weights"))
-    if not isinstance(fmt, WeightFormat) or not WEIGHTS & set(spec.CONTRACT[op].arg_names):
+    fmt = block_format(formats)
+    if fmt is None or not WEIGHTS & set(spec.CONTRACT[op].arg_names):
         return None
     return fmt.block
+
+
+def block_format(formats: dict[str, str]) -> WeightFormat | None:
+    """The block weight format ``formats`` declare (the weights the adapter holds), or None."""
+    fmt = WEIGHT_FORMATS.get(formats.get("weights"))
+    return fmt if isinstance(fmt, WeightFormat) else None
 
 
 def cases(op: str, dtype: str, formats: dict[str, str] | None = None):

@@ -16,7 +16,7 @@ from gemma4_conformance.spec import CONTRACT, format_of
 from gemma4_conformance.spec.model import forward, nodes
 
 from .judging import BeyondDeclared, assess
-from .table import OPS
+from .table import OPS, block_format
 
 NODE_WORK = 1_000  # oracle work per judged node, in element operations (table.py): about one row
 
@@ -56,15 +56,24 @@ class Replay:
 
     name = "trace replay"
 
-    def __init__(self, trace: dict, dtype: str, vocab: int, where: str):
+    def __init__(self, trace: dict, dtype: str, vocab: int, where: str, exact_weights: bool = False):
         self.trace, self.dtype, self.vocab, self.where = trace, dtype, vocab, where
+        self.exact_weights = exact_weights
         self.calls: list[Call] = []
         self.columns: dict[str, int] = {}  # node -> columns of its trace used so far (the LM head's chunks)
 
     def weight(self, array):
+        """A weight as the node is judged on it: as the op contract hands it, in the dtype under test, but for
+        an engine that holds its weights in a block format (``exact_weights``), a quantized tensor's exact
+        values (float64 from the checkpoint, the only float64 tensors it gives; as float32 where that holds
+        them), which are what that engine multiplies, as the op tests judge it (judging.held)."""
+        array = np.asarray(array)
+        if self.exact_weights and array.dtype == np.float64:
+            narrow = array.astype(np.float32)
+            return narrow if np.array_equal(narrow, array) else array
         # copy=False: a weight stored in the dtype under test stays a view of the checkpoint's memory map,
         # read only where a judged node uses it (a one-layer trace of the 12B model reads one layer).
-        return np.asarray(array).astype(format_of(self.dtype).dtype, copy=False)
+        return array.astype(format_of(self.dtype).dtype, copy=False)
 
     def op(self, node, name, *args):
         shape = CONTRACT[name].output_shape(*args)
@@ -178,14 +187,16 @@ class TraceVerdict:
         return "; ".join(part for part in (head, rest, weak, tail) if part)
 
 
-def replay(trace: dict, config, weights, tokens, dtype: str, where: str = "trace") -> list[Call]:
-    """Every op call of the graph with the trace's values (module docstring, step 1); a size that does
-    not fit its node raises ContractViolation."""
+def replay(trace: dict, config, weights, tokens, dtype: str, where: str = "trace",
+           exact_weights: bool = False) -> list[Call]:
+    """Every op call of the graph with the trace's values (module docstring, step 1), a quantized tensor's
+    exact values where ``exact_weights`` (``Replay.weight``); a size that does not fit its node raises
+    ContractViolation."""
     graph = nodes(config)
     unknown = sorted(set(trace) - set(graph))
     if unknown:
         raise ContractViolation(f"{where}: trace node(s) {unknown} do not exist in the graph (spec.model.nodes)")
-    ops = Replay(trace, dtype, config.vocab_size, where)
+    ops = Replay(trace, dtype, config.vocab_size, where, exact_weights)
     forward(ops, config, weights, np.asarray(tokens, dtype=np.int64))
     return ops.calls
 
@@ -205,7 +216,7 @@ def judge_trace(trace: dict, config, weights, tokens, dtype: str, work: int = NO
     """Replay ``trace`` through the graph and judge every node on the engine's own inputs (module docstring),
     within the allowance the engine's declared ``formats`` add to its op's budget (judging.assess), as the
     op tests judge it."""
-    calls = replay(trace, config, weights, tokens, dtype, where)
+    calls = replay(trace, config, weights, tokens, dtype, where, exact_weights=block_format(formats or {}) is not None)
     verdicts: dict[str, NodeVerdict] = {}
     for index, c in enumerate(calls):
         if not c.traced:
