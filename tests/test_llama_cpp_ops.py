@@ -19,7 +19,6 @@ product of the unrounded x: the rounding declared is the rounding done.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import ml_dtypes
@@ -28,6 +27,7 @@ import pytest
 
 from gemma4_conformance.adapters.contract import Unsupported
 from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, QuantizedWeight, rounded_activations
+from tests.test_llama_cpp import _engine
 
 FORMATS = ("q8_0", "q4_0", "q4_k", "q6_k")
 ACTIVATIONS = {"q8_0": "q8_0", "q4_0": "q8_0", "q4_k": "q8_k", "q6_k": "q8_k"}
@@ -43,16 +43,7 @@ POWER_OF_TWO_SCALE = np.array([2.0**-6], "<f2").view(np.uint8)  # fp16 2^-6, two
 
 
 def _adapter(**options):
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed: pip install 'gemma4-conformance[llama-cpp]' (a source "
-                    "build of llama.cpp, CPU only, about an hour on 2 cores), then `python -m "
-                    "gemma4_conformance.adapters.llama_cpp_backend fetch-converter`")
-    from gemma4_conformance.adapters.llama_cpp_backend import LlamaCpp, SetupError
-
-    try:
-        return LlamaCpp(threads="2", **options)
-    except SetupError as e:
-        pytest.skip(str(e))
+    return _engine(threads="2", **options)
 
 
 @pytest.fixture(scope="module")
