@@ -140,16 +140,41 @@ def _example(op):
 
 
 def test_restrictions_hold_the_masked_elements():
-    """Each op's restriction keeps every masked element, at the position its index names."""
+    """Each op's restriction keeps every masked element, at the position its index names, and the
+    oracle on it gives the whole oracle's values there (attention's keeps only the value features it
+    needs: a part that is no call of the contract, whose v has fewer features than q)."""
     rng = np.random.default_rng(1)
     for op in ENCLOSED:
         entry = OPS[op]
         args = build(op, (edge_cases(op) or [None])[0] or _example(op), "float32")
         shape = spec.CONTRACT[op].output_shape(*args)
-        mask = rng.random(shape) < 0.05
-        mask.flat[rng.integers(mask.size)] = True
-        part, where = entry.restrict(op, args, mask)
-        marker = np.zeros(shape, dtype=bool)
-        marker[where] = True
-        assert marker[mask].all(), op
-        assert spec.CONTRACT[op].output_shape(*part) == np.zeros(shape)[where].shape, op
+        for share in (0.05, 0.0):  # a scattered mask, and one element
+            mask = rng.random(shape) < share
+            mask.flat[rng.integers(mask.size)] = True
+            part, where = entry.restrict(op, args, mask)
+            marker = np.zeros(shape, dtype=bool)
+            marker[where] = True
+            assert marker[mask].all(), op
+            whole = np.asarray(entry.oracle(*args), dtype=object).reshape(shape)
+            assert (np.asarray(entry.oracle(*part), dtype=object) == whole[where]).all(), op
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True)
+@given(st.integers(1, 300), st.integers(1, 40), st.integers(-1100, 10), st.integers(0, 2**32 - 1))
+def test_attention_bounds_in_long_double_from_float64_products_are_upper_bounds(L, D, binade, seed):
+    """``_upper_products`` (attention's weight errors and magnitudes for a float64 target, from float64
+    BLAS) is at least the exact sum, down to weights that underflow float64."""
+    rng = np.random.default_rng(seed)
+    w = enclosures._Work(np.longdouble)
+    a = (rng.random((3, L)).astype(np.longdouble) * np.longdouble(2.0) ** binade) * (1 + np.longdouble(2.0) ** -60)
+    b = np.abs(rng.standard_normal((L, D))) * 2.0 ** rng.integers(-40, 40)
+    upper = enclosures._upper_products(w, a, b)
+    with mpmath.workprec(4000):
+        for i, j in np.ndindex(upper.shape):
+            exact = mpmath.fsum(_ld(a[i, l]) * mpmath.mpf(float(b[l, j])) for l in range(L))
+            assert _ld(upper[i, j]) >= exact, (i, j)
+
+
+def _ld(value) -> mpmath.mpf:
+    mantissa, exponent = np.frexp(value)
+    return mpmath.mpf(int(np.ldexp(mantissa, 64))) * mpmath.mpf(2) ** (int(exponent) - 64)

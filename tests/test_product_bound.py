@@ -129,3 +129,44 @@ def test_float64_operands_keep_the_exact_sums():
     mid, rad = exact_sums.dots_enclosure(a, b, np.longdouble)
     assert (rad <= 4 * np.finfo(np.longdouble).eps * np.abs(mid)).all()
     assert not outside(exact_sums_of(a, b), mid, rad)
+
+
+def test_shared_products_are_computed_once_per_weight_and_operand():
+    """Inside ``sharing_products`` a second call on the same weight and the same values of a returns the
+    first's results; another weight, other values of a, or a call outside the block computes afresh, and
+    the results are those computed afresh."""
+    rng = np.random.default_rng(0)
+    W, V = (rng.standard_normal((5, 7)).astype(np.float32) for _ in range(2))
+    a = rng.standard_normal((2, 7)).astype(np.float32)
+    alone = exact_sums.products(a, W)
+    with exact_sums.sharing_products():
+        first = exact_sums.products(a, W)
+        assert exact_sums.products(a.astype(np.float64), W) is first  # a's values, whatever its format
+        assert exact_sums.products(a + 1, W) is not first
+        assert exact_sums.products(a, V) is not first
+        assert exact_sums.products(a, W.copy()) is not first
+    assert exact_sums.products(a, W) is not first
+    for got, want in zip(first, alone):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(alone[0], a.astype(np.float64) @ W.astype(np.float64).T)
+    np.testing.assert_array_equal(alone[2], np.abs(W.astype(np.float64)).sum(axis=1))
+
+
+def test_unsigned_products_are_not_served_to_a_signed_call():
+    rng = np.random.default_rng(1)
+    W, a = rng.standard_normal((3, 4)), rng.standard_normal((2, 4))
+    with exact_sums.sharing_products():
+        assert exact_sums.products(a, W, signed=False)[0] is None
+        np.testing.assert_array_equal(exact_sums.products(a, W)[0], a @ W.T)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_every_16_bit_value_widens_exactly(dtype):
+    """``widen`` (a compiled loop for bf16 and fp16) gives numpy's and ml_dtypes' float64 for each of the
+    65536 bit patterns, signed zeros and infinities included, in any layout."""
+    values = np.arange(1 << 16, dtype=np.uint16).view(format_of(dtype).dtype).reshape(64, 1024)
+    for x in (values, values[::3, 5::7], values.T, values.reshape(4, 16, 1024)):
+        got, want = exact_sums.widen(x), x.astype(np.float64)
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))

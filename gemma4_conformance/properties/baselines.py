@@ -43,37 +43,40 @@ def _rounder(dtype):
     return round_d, a
 
 
-def attention(scale, visible, q, k, v, dtype, scale_at: str, softmax_in: str) -> np.ndarray:
-    """q [S, Hkv, G, D], k, v [L, Hkv, D], visible [S, L]: one plain arrangement; rows with nothing visible are 0."""
-    round_d, a = _rounder(dtype)
-    q, k, v = q.astype(a), k.astype(a), v.astype(a)
+def _logits(scale, q, k, round_d, a) -> dict[str, np.ndarray]:
+    """The logits in A (values of D) under each place of the scale (SCALE_AT); q.k in A is one product
+    for the first two."""
     s = a.type(scale)
-    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        if scale_at == "product":
-            logits = round_d(round_d(np.einsum("scge,lce->scgl", q, k, optimize=True)) * s)
-        elif scale_at == "accumulated":
-            logits = round_d(np.einsum("scge,lce->scgl", q, k, optimize=True) * s)
-        elif scale_at == "query":
-            logits = round_d(np.einsum("scge,lce->scgl", round_d(q * s), k, optimize=True))
-        else:
-            root = np.sqrt(s)
-            logits = round_d(np.einsum("scge,lce->scgl", round_d(q * root), round_d(k * root), optimize=True))
-        mask = np.broadcast_to(visible[:, None, None, :], logits.shape)
-        top = np.max(logits, axis=-1, keepdims=True, where=mask, initial=-np.inf)
-        top = np.where(np.isfinite(top), top, 0)
-        if softmax_in == "dtype":
-            e = np.where(mask, round_d(np.exp(round_d(logits - top))), 0)
-        else:
-            e = np.where(mask, np.exp(logits - top), 0)
-        total = np.sum(e, axis=-1, keepdims=True)
-        p = round_d(e / np.where(total > 0, total, 1))
-        out = round_d(np.einsum("scgl,lcd->scgd", p, v, optimize=True))
-    return out.astype(np.float64)
+    product = np.einsum("scge,lce->scgl", q, k, optimize=True)
+    root = np.sqrt(s)
+    return {"product": round_d(round_d(product) * s),
+            "accumulated": round_d(product * s),
+            "query": round_d(np.einsum("scge,lce->scgl", round_d(q * s), k, optimize=True)),
+            "split": round_d(np.einsum("scge,lce->scgl", round_d(q * root), round_d(k * root), optimize=True))}
+
+
+def _weighted(logits, visible, v, round_d, softmax_in: str) -> np.ndarray:
+    """The softmax of ``logits`` (in D or in A, SOFTMAX_IN) times v, accumulated in A and rounded to D."""
+    mask = np.broadcast_to(visible[:, None, None, :], logits.shape)
+    top = np.max(logits, axis=-1, keepdims=True, where=mask, initial=-np.inf)
+    top = np.where(np.isfinite(top), top, 0)
+    if softmax_in == "dtype":
+        e = np.where(mask, round_d(np.exp(round_d(logits - top))), 0)
+    else:
+        e = np.where(mask, np.exp(logits - top), 0)
+    total = np.sum(e, axis=-1, keepdims=True)
+    p = round_d(e / np.where(total > 0, total, 1))
+    return round_d(np.einsum("scgl,lcd->scgd", p, v, optimize=True)).astype(np.float64)
 
 
 def arrangements(inputs: AttentionInputs, args: tuple, dtype: str) -> list[np.ndarray]:
     """The output of the op whose arguments ``inputs`` reads under every plain arrangement, in the op's
-    output shape (float64)."""
+    output shape (float64): q [S, Hkv, G, D], k, v [L, Hkv, D], visible [S, L]; rows with nothing
+    visible are 0."""
     scale, visible, q, k, v = inputs(args)
-    return [inputs.output(attention(scale, visible, q, k, v, dtype, at, where))
-            for at, where in itertools.product(SCALE_AT, SOFTMAX_IN)]
+    round_d, a = _rounder(dtype)
+    q, k, v = q.astype(a), k.astype(a), v.astype(a)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        logits = _logits(scale, q, k, round_d, a)
+        return [inputs.output(_weighted(logits[at], visible, v, round_d, where))
+                for at, where in itertools.product(SCALE_AT, SOFTMAX_IN)]

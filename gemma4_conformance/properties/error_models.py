@@ -41,6 +41,7 @@ from gemma4_conformance.adapters import kv_cache_format
 from gemma4_conformance.checkpoints.quantized import FP8_ACTIVATIONS, FP8_TYPES, FP8_WEIGHTS
 from gemma4_conformance.spec import format_of, scale_ulp
 from gemma4_conformance.spec.compiled import jit
+from gemma4_conformance.spec.exact import products
 
 from .budget import ACCUMULATION, accumulation_ratio, tau
 
@@ -196,30 +197,14 @@ def l2norm(args, exact, dtype):
     return _norm(dtype, exact, *_normalisation(eps, x, mean=False), x)
 
 
-_BLOCK = 1 << 17  # weights per block: a block stays in the cache for all its products
-
-
 def _products(x, W, signed=False):
-    """|x| @ |W|.T, (1 + |x|) @ (1 + |W|).T and, when ``signed``, x @ W.T, in float64, through W (in its
-    own dtype: widened here) in blocks of rows that stay in the cache (whole, each product would first
-    copy all of W).  The second is |x| @ |W|.T + sum_k |x_k| + sum_k |W_nk| + K, the row sums of |W|
-    from the same product."""
+    """|x| @ |W|.T, (1 + |x|) @ (1 + |W|).T and, when ``signed``, x @ W.T, in float64
+    (``spec.exact.products``, shared with the enclosure's).  The second is |x| @ |W|.T + sum_k |x_k| +
+    sum_k |W_nk| + K."""
     K = x.shape[-1]
     rows = x.reshape(-1, K)
-    magnitude = np.concatenate([np.abs(rows), np.ones((1, K))])  # the last row sums |W|'s rows
-    dots = np.empty((len(magnitude), W.shape[0]))
-    logits = np.empty((len(rows), W.shape[0])) if signed else None
-    step = max(1, _BLOCK // max(K, 1))
-    buffer = np.empty((min(step, W.shape[0]), K))  # one allocation: a fresh one per block costs its page faults
-    for start in range(0, W.shape[0], step):
-        block = buffer[:min(step, W.shape[0] - start)]
-        block[...] = W[start:start + step]
-        columns = slice(start, start + len(block))
-        if signed:
-            np.matmul(rows, block.T, out=logits[:, columns])
-        np.matmul(magnitude, np.abs(block, out=block).T, out=dots[:, columns])
-    dots, sums = dots[:-1], dots[-1]
-    flush = dots + magnitude[:-1].sum(axis=-1, keepdims=True) + sums + K
+    logits, dots, sums = products(rows, W, signed)
+    flush = dots + np.abs(rows).sum(axis=-1, keepdims=True) + sums + K
     shape = x.shape[:-1] + (W.shape[0],)
     return [a.reshape(shape) for a in (dots, flush) + ((logits,) if signed else ())]
 

@@ -16,7 +16,7 @@ from gemma4_conformance.adapters import declared_formats
 from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, QuantizedWeight
 from gemma4_conformance.spec import CONTRACT, enclosures, format_of, get_precision, precision, round_to, scale_ulp
-from gemma4_conformance.spec.exact import one_blas_thread, widen
+from gemma4_conformance.spec.exact import one_blas_thread, sharing_products, widen
 from gemma4_conformance.spec.formats import abs_error
 
 from . import decision
@@ -171,7 +171,7 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     declared format cannot hold raise BeyondDeclared.
     """
     entry = OPS[op]
-    with one_blas_thread():
+    with one_blas_thread(), sharing_products():
         declared = _declared_terms(entry, args, dtype, formats or {})
         return _assess(entry, args, out, dtype, seed, work, first_stage, fallback, declared)
 

@@ -143,18 +143,28 @@ def attention(op, args, rng, work=ORACLE_WORK):
     return _attention(args, keep_s, keep_c)
 
 
-def _attention(args, keep_s, keep_c):
+def _attention(args, keep_s, keep_c, keep_g=None, keep_d=None):
+    """The queries keep_s of the KV heads keep_c, and of those the query heads keep_g and the value
+    features keep_d (all where None): an output feature reads only its own column of v."""
     *head, pos, q, k, v = args
     S, Hkv, G, D = q.shape
-    if len(keep_s) == S and len(keep_c) == Hkv:
+    keep_g = np.arange(G) if keep_g is None else keep_g
+    keep_d = np.arange(D) if keep_d is None else keep_d
+    if (len(keep_s), len(keep_c), len(keep_g), len(keep_d)) == (S, Hkv, G, D):
         return args, (Ellipsis,)
-    sub = (*head, np.asarray(pos)[keep_s], q[keep_s][:, keep_c], k[:, keep_c], v[:, keep_c])
-    return sub, np.ix_(keep_s, keep_c, np.arange(G), np.arange(D))
+    sub = (*head, np.asarray(pos)[keep_s], q[np.ix_(keep_s, keep_c, keep_g)], k[:, keep_c],
+           v[:, keep_c][..., keep_d])
+    return sub, np.ix_(keep_s, keep_c, keep_g, keep_d)
+
+
+def _marked(mask, axis):
+    """The indices along ``axis`` that hold an element of ``mask``."""
+    return np.flatnonzero(mask.any(axis=tuple(a for a in range(mask.ndim) if a != axis)))
 
 
 def restrict_attention(op, args, mask):
-    """The queries and KV heads holding an element of ``mask``."""
-    return _attention(args, np.flatnonzero(mask.any(axis=(1, 2, 3))), np.flatnonzero(mask.any(axis=(0, 2, 3))))
+    """The queries, KV heads, query heads and value features holding an element of ``mask``."""
+    return _attention(args, *(_marked(mask, axis) for axis in range(4)))
 
 
 def decode(op, args, rng, work=ORACLE_WORK):
@@ -164,16 +174,18 @@ def decode(op, args, rng, work=ORACLE_WORK):
     return _decode(args, _pick(rng, Hkv, int(work // (G * _per_query_head(L, D)))))
 
 
-def _decode(args, keep_c):
+def _decode(args, keep_c, keep_g=None, keep_d=None):
     scale, q, k, v = args
     Hkv, G, D = q.shape
-    if len(keep_c) == Hkv:
+    keep_g = np.arange(G) if keep_g is None else keep_g
+    keep_d = np.arange(D) if keep_d is None else keep_d
+    if (len(keep_c), len(keep_g), len(keep_d)) == (Hkv, G, D):
         return args, (Ellipsis,)
-    return (scale, q[keep_c], k[:, keep_c], v[:, keep_c]), np.ix_(keep_c, np.arange(G), np.arange(D))
+    return (scale, q[np.ix_(keep_c, keep_g)], k[:, keep_c], v[:, keep_c][..., keep_d]), np.ix_(keep_c, keep_g, keep_d)
 
 
 def restrict_decode(op, args, mask):
-    return _decode(args, np.flatnonzero(mask.any(axis=(1, 2))))
+    return _decode(args, *(_marked(mask, axis) for axis in range(3)))
 
 
 def embed(op, args, rng, work=ORACLE_WORK):

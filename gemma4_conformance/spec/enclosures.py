@@ -425,10 +425,28 @@ def softmax(s, visible, *, work):
     return p, np.where(visible, w.rad(p, rel, 2 * w.tiny), 0).astype(w.type)
 
 
+def _upper_products(w: _Work, a, b):
+    """a @ b for nonnegative a [..., L] and b [L, D] in ``work`` by float64 BLAS.  In float64 the product
+    itself: its roundings, (L + 1) u relative, sit inside the radius's MARGIN, as every radius's own
+    roundings do.  In long double (whose matrix products are not BLAS, 40 times slower) an upper bound:
+    widening ``a`` rounds it up; each product and sum of nonnegatives then loses at most u64 relative,
+    (L + 1) u64 in all in any order, and a value or product that underflows in float64 less than 2^-1074
+    each, 2^-1073 (L + sum |b|) in all: the sum plus that, times 1 + 2 (L + 4) u64 (which holds its own
+    two roundings), is above."""
+    if w.type is np.float64:
+        return a @ b
+    wide = a.astype(np.float64)
+    wide = np.where(wide.astype(w.type) < a, np.nextafter(wide, np.inf), wide)
+    L = a.shape[-1]
+    lost = 2.0**-1073 * (L + b.sum(axis=0))
+    return ((wide @ b.astype(np.float64) + lost) * (1 + (L + 4) * 2.0**-52)).astype(w.type)
+
+
 def _gqa(scale, visible, q, k, v, work):
     """Softmax of the logits' enclosure (``dots_enclosure`` times scale, one more rounding) and the weighted
     sum of values in ``work`` by matrix products: its error is at most L u sum_l p_l |v_l| in any order
-    (gamma_L), plus each weight's relative error times p_l |v_l|."""
+    (gamma_L), plus each weight's relative error times p_l |v_l| (those two sums bounded above by
+    ``_upper_products``)."""
     w = _Work(work)
     scale = w.real(scale)
     vw = w.array(v)
@@ -443,8 +461,8 @@ def _gqa(scale, visible, q, k, v, work):
         p, rel = _softmax(w, logits, logits_rad, mask)
         values = vw[:, c]
         out[:, c] = p @ values
-        weight_error = (rel * p) @ np.abs(values)
-        magnitude = p @ np.abs(values)
+        weight_error = _upper_products(w, rel * p, np.abs(values))
+        magnitude = _upper_products(w, p, np.abs(values))
         rad[:, c] = weight_error + (L + 2) * w.u * magnitude + 2 * w.tiny * (1 + np.abs(values).sum(axis=0))
     return out, w.rad(out, 0.0, rad)
 
