@@ -33,8 +33,10 @@ SOFTMAX_IN = ("dtype", "accumulation")
 
 
 def _rounder(dtype):
-    """Round an array in A to D and back to A (float32, or float64 for float64)."""
+    """Round an array in A to D and back to A (float32, or float64 for float64); None where D is A."""
     d, a = format_of(dtype).dtype, format_of(ACCUMULATION[dtype]).dtype
+    if d == a:
+        return None, a
 
     def round_d(x):
         with np.errstate(over="ignore", invalid="ignore"):
@@ -45,10 +47,13 @@ def _rounder(dtype):
 
 def _logits(scale, q, k, round_d, a) -> dict[str, np.ndarray]:
     """The logits in A (values of D) under each place of the scale (SCALE_AT); q.k in A is one product
-    for the first two."""
+    for the first two, and where D is A (``round_d`` None) they are one array."""
     s = a.type(scale)
-    product = np.einsum("scge,lce->scgl", q, k, optimize=True)
     root = np.sqrt(s)
+    product = np.einsum("scge,lce->scgl", q, k, optimize=True)
+    if round_d is None:
+        return {"product": product * s, "query": np.einsum("scge,lce->scgl", q * s, k, optimize=True),
+                "split": np.einsum("scge,lce->scgl", q * root, k * root, optimize=True)}
     return {"product": round_d(round_d(product) * s),
             "accumulated": round_d(product * s),
             "query": round_d(np.einsum("scge,lce->scgl", round_d(q * s), k, optimize=True)),
@@ -56,7 +61,9 @@ def _logits(scale, q, k, round_d, a) -> dict[str, np.ndarray]:
 
 
 def _weighted(logits, visible, v, round_d, softmax_in: str) -> np.ndarray:
-    """The softmax of ``logits`` (in D or in A, SOFTMAX_IN) times v, accumulated in A and rounded to D."""
+    """The softmax of ``logits`` (in D or in A, SOFTMAX_IN; one where D is A) times v, accumulated in A and
+    rounded to D."""
+    round_d = round_d or (lambda x: x)
     mask = np.broadcast_to(visible[:, None, None, :], logits.shape)
     top = np.max(logits, axis=-1, keepdims=True, where=mask, initial=-np.inf)
     top = np.where(np.isfinite(top), top, 0)
@@ -72,11 +79,16 @@ def _weighted(logits, visible, v, round_d, softmax_in: str) -> np.ndarray:
 def arrangements(inputs: AttentionInputs, args: tuple, dtype: str) -> list[np.ndarray]:
     """The output of the op whose arguments ``inputs`` reads under every plain arrangement, in the op's
     output shape (float64): q [S, Hkv, G, D], k, v [L, Hkv, D], visible [S, L]; rows with nothing
-    visible are 0."""
+    visible are 0.  Where D is A, arrangements that differ only in roundings to D are one computation."""
     scale, visible, q, k, v = inputs(args)
     round_d, a = _rounder(dtype)
     q, k, v = q.astype(a), k.astype(a), v.astype(a)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         logits = _logits(scale, q, k, round_d, a)
-        return [inputs.output(_weighted(logits[at], visible, v, round_d, where))
-                for at, where in itertools.product(SCALE_AT, SOFTMAX_IN)]
+        computed, outputs = {}, []
+        for at, where in itertools.product(SCALE_AT, SOFTMAX_IN):
+            key = (at, where) if round_d is not None else ("product" if at == "accumulated" else at, "accumulation")
+            if key not in computed:
+                computed[key] = inputs.output(_weighted(logits[key[0]], visible, v, round_d, key[1]))
+            outputs.append(computed[key])
+        return outputs

@@ -158,3 +158,19 @@ def admits(answer, exact, rad, scale, absolute, allowed, precision, emin, max_fi
         within, surely, beyond = _admits(_answer_distance(answer[i], exact[i], rad[i], slack), rad[i], allowance,
                                          slack, within, surely, beyond)
     return within, surely, beyond
+
+
+@jit
+def tier2_excess(answers, exact, rad, sign, slack, absolute, unit, judged):
+    """For each row of ``answers`` (flat answers of the output's size), its largest error in ULPs at the
+    second tier's scale (``unit``) beyond the tier's absolute allowance, over the ``judged`` elements
+    (0 if none): |answer - exact| + sign rad, at least 0, less the allowance, at least 0, over the unit."""
+    out = np.zeros(answers.shape[0])
+    for i in range(answers.shape[0]):
+        worst = 0.0
+        for j in range(answers.shape[1]):
+            if judged[j]:
+                distance = nan_max(abs(answers[i, j] - exact[j]) + sign * rad[j] * (1 + slack), 0.0)
+                worst = nan_max(worst, nan_max(distance - absolute[j], 0.0) / unit[j])
+        out[i] = worst
+    return out

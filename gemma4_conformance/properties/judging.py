@@ -540,21 +540,25 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
             t_scale = t_scale + declared[3].reshape(np.shape(exact64))
             t_absolute = t_absolute + declared[4].reshape(np.shape(exact64))
         t_scale, t_absolute = (np.broadcast_to(a, got.shape) for a in (t_scale, t_absolute))
-        t_unit = scale_ulp(t_scale, dtype)
-        judged = t_scale > 0  # rows with nothing visible: tier 1 holds them to exactly 0
+        # rows with nothing visible (scale 0): tier 1 holds them to exactly 0
+        tier = (_flat(exact64), _flat(stage.rad), _flat(t_absolute), _flat(scale_ulp(t_scale, dtype)),
+                np.ascontiguousarray(t_scale > 0).reshape(-1))
 
-        def beyond(answer, sign=0):
-            """The largest error of ``answer`` in ULPs at the tier's scale beyond its absolute allowance."""
-            distance = np.maximum(np.abs(answer - exact64) + sign * stage.rad * (1 + _SLACK), 0.0)
-            excess = np.maximum(distance - t_absolute, 0.0) / t_unit
-            return float(np.max(np.where(judged, excess, 0.0), initial=0.0))
+        def beyond_each(answers, sign=0) -> list[float]:
+            """The largest error of each answer in ULPs at the tier's scale beyond its absolute allowance."""
+            stacked = np.stack([_flat(answer) for answer in answers])
+            exact, rad, absolute, unit, judged = tier
+            return decision.tier2_excess(stacked, exact, rad, float(sign), _SLACK, absolute, unit, judged).tolist()
+
+        def beyond(answer, sign=0) -> float:
+            return beyond_each([answer], sign)[0]
 
         plains = list(entry.baselines(args, dtype))
-        baseline = max(beyond(plain) for plain in plains)
+        baseline = max(beyond_each(plains))
         candidate = np.where(np.isfinite(got64), got64, np.inf)
         tier2 = BaselineTier(beyond(candidate), baseline, b.tier2.ulps(**quantities) + b.factor * baseline)
         if uncertain and tier2.error <= tier2.allowed:
-            lowest = b.tier2.ulps(**quantities) + b.factor * max(beyond(plain, -1) for plain in plains)
+            lowest = b.tier2.ulps(**quantities) + b.factor * max(beyond_each(plains, -1))
             if beyond(candidate, +1) > lowest * (1 - _SLACK):
                 whole = True
         if tier2.error > tier2.allowed:
