@@ -54,3 +54,30 @@ def test_the_judging_benchmark_rates_every_op(tmp_path):
     rows = json.loads(out.read_text())["judging"]
     assert [row["label"] for row in rows] == [label for label, *_ in THROUGHPUT + ELEMENTWISE]
     assert all(row["elements_rate"] > 0 and 0 <= row["by_oracle"] <= 1 for row in rows)
+
+
+def test_judgements_are_recorded_replayed_and_compared(tmp_path):
+    """benchmarks/judgements.py: a tiny run's judgements, replayed twice to the same verdicts; a verdict
+    changed by hand is counted."""
+    calls, first, second = tmp_path / "calls.pkl", tmp_path / "first.json", tmp_path / "second.json"
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "benchmarks.judgements", *args], cwd=ROOT, capture_output=True,
+                              text=True)
+
+    done = run("record", str(calls), "--", "-p", "gemma4_conformance.plugin", "--pyargs",
+               "gemma4_conformance.properties.test_agreement", "--backend=numpy", "--hypothesis-profile=ci",
+               "--dtype=float32", "-k", "float32-sigmoid]", "-p", "no:cacheprovider", f"--report-html={tmp_path / 'r.html'}",
+               f"--report-json={tmp_path / 'r.json'}")
+    assert done.returncode == 0 and "judgements recorded" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    for out in (first, second):
+        done = run("replay", str(calls), f"--verdicts={out}")
+        assert done.returncode == 0 and "sigmoid" in done.stdout, done.stderr[-3000:]
+    rows = json.loads(first.read_text())
+    assert rows and all(row["op"] == "sigmoid" and row["passed"] for row in rows)
+    done = run("compare", str(first), str(second))
+    assert done.returncode == 0 and ", 0 differ as printed" in done.stdout
+    rows[0]["passed"] = False
+    second.write_text(json.dumps(rows))
+    done = run("compare", str(first), str(second))
+    assert done.returncode == 1 and ", 1 differ as printed" in done.stdout

@@ -183,14 +183,14 @@ def test_a_slice_dropped_is_caught(monkeypatch):
 
 
 def test_shared_products_are_computed_once_per_weight_and_operand():
-    """Inside ``sharing_products`` a second call on the same weight and the same values of a returns the
+    """Inside ``sharing`` a second call on the same weight and the same values of a returns the
     first's results; another weight, other values of a, or a call outside the block computes afresh, and
     the results are those computed afresh."""
     rng = np.random.default_rng(0)
     W, V = (rng.standard_normal((5, 7)).astype(np.float32) for _ in range(2))
     a = rng.standard_normal((2, 7)).astype(np.float32)
     alone = exact_sums.products(a, W)
-    with exact_sums.sharing_products():
+    with exact_sums.sharing():
         first = exact_sums.products(a, W)
         assert exact_sums.products(a.astype(np.float64), W) is first  # a's values, whatever its format
         assert exact_sums.products(a + 1, W) is not first
@@ -203,12 +203,31 @@ def test_shared_products_are_computed_once_per_weight_and_operand():
     np.testing.assert_array_equal(alone[2], np.abs(W.astype(np.float64)).sum(axis=1))
 
 
-def test_unsigned_products_are_not_served_to_a_signed_call():
+def test_unsigned_products_are_not_served_to_a_signed_call_but_signed_ones_to_an_unsigned():
     rng = np.random.default_rng(1)
-    W, a = rng.standard_normal((3, 4)), rng.standard_normal((2, 4))
-    with exact_sums.sharing_products():
+    W, V, a = rng.standard_normal((3, 4)), rng.standard_normal((3, 4)), rng.standard_normal((2, 4))
+    with exact_sums.sharing():
         assert exact_sums.products(a, W, signed=False)[0] is None
         np.testing.assert_array_equal(exact_sums.products(a, W)[0], a @ W.T)
+        signed = exact_sums.products(a, V)
+        assert exact_sums.products(a, V, signed=False) is signed
+
+
+def test_shared_results_are_kept_by_the_identity_of_arrays_and_the_value_of_the_rest():
+    x, calls = np.ones(3), []
+
+    def compute():
+        calls.append(1)
+        return len(calls)
+
+    assert exact_sums.shared("f", (x, 2.0), compute) == 1 and exact_sums.shared("f", (x, 2.0), compute) == 2  # outside
+    with exact_sums.sharing():
+        unhashable = [1]
+        assert exact_sums.shared("f", (x, unhashable), compute) == exact_sums.shared("f", (x, unhashable), compute)
+        assert exact_sums.shared("f", (x, 2.0), compute) == exact_sums.shared("f", (x, 2.0), compute)
+        assert exact_sums.shared("f", (x.copy(), 2.0), compute) != exact_sums.shared("f", (x, 2.0), compute)
+        assert exact_sums.shared("f", (x, 3.0), compute) != exact_sums.shared("f", (x, 2.0), compute)
+        assert exact_sums.shared("g", (x, 2.0)) is None
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

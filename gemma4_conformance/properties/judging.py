@@ -16,7 +16,7 @@ from gemma4_conformance.adapters import declared_formats
 from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, QuantizedWeight
 from gemma4_conformance.spec import CONTRACT, enclosures, format_of, get_precision, precision, round_to, scale_ulp
-from gemma4_conformance.spec.exact import one_blas_thread, sharing_products, widen
+from gemma4_conformance.spec.exact import one_blas_thread, shared, sharing, widen
 from gemma4_conformance.spec.formats import abs_error
 
 from . import decision
@@ -30,10 +30,12 @@ def _flat(a) -> np.ndarray:
 
 
 def _widened(args, op: str):
-    """Floating arrays in float64 (exact), for the error model's scale; the weights of a product (W, Wg,
-    Wu) stay as they are: their error models read them a block at a time (``error_models._products``),
+    """Floating arrays in float64 (exact), for the error model's scale, once per assessment (so that its
+    error models share what they compute from them, ``spec.exact.shared``); the weights of a product (W,
+    Wg, Wu) stay as they are: their error models read them a block at a time (``spec.exact.products``),
     where a float64 copy of a real-size W would be its size again four times over (470 MB at 15360 x 3840)."""
-    return tuple(a if name in WEIGHTS else widen(a) for a, name in zip(args, CONTRACT[op].arg_names))
+    return shared("widened", args, lambda: tuple(a if name in WEIGHTS else widen(a)
+                                                 for a, name in zip(args, CONTRACT[op].arg_names)))
 
 
 @dataclass
@@ -171,7 +173,7 @@ def assess(op: str, args: tuple, out: np.ndarray, dtype: str, seed: int = 0, wor
     declared format cannot hold raise BeyondDeclared.
     """
     entry = OPS[op]
-    with one_blas_thread(), sharing_products():
+    with one_blas_thread(), sharing():
         declared = _declared_terms(entry, args, dtype, formats or {})
         return _assess(entry, args, out, dtype, seed, work, first_stage, fallback, declared)
 

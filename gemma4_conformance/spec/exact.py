@@ -612,13 +612,13 @@ def dots_enclosure(a: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.n
     return mid.astype(work).reshape(shape), rad.astype(work).reshape(shape)
 
 
-_shared: dict | None = None  # id(b) -> (b, a in float64, products(a, b)) inside ``sharing_products``
+_shared: dict | None = None  # results computed once inside ``sharing``: key -> (operands, result)
 
 
 @contextlib.contextmanager
-def sharing_products():
-    """Inside this block ``products`` computes each pair of operands once: the judging's enclosure and
-    error model read the same products of a weight (the same array, unchanged for the block)."""
+def sharing():
+    """Inside this block ``shared`` computes each result once: the judging opens one per assessment, whose
+    enclosure and error models read the same products of a weight and the same softmax."""
     global _shared
     outer, _shared = _shared, {} if _shared is None else _shared
     try:
@@ -627,17 +627,46 @@ def sharing_products():
         _shared = outer
 
 
+def shared(name: str, operands: tuple, compute: Callable | None = None):
+    """``compute()`` once per ``name`` and ``operands`` inside ``sharing`` (always outside it): arrays by
+    identity (the block keeps them, so no id is reused, and an assessment does not change its arguments),
+    anything else hashable by value.  Without ``compute``, the result if it is known, else None."""
+    if _shared is None:
+        return compute() if compute is not None else None
+    key = (name, *(x if _hashable(x) else ("object", id(x)) for x in operands))
+    known = _shared.get(key)
+    if known is None:
+        if compute is None:
+            return None
+        known = _shared[key] = (operands, compute())
+    return known[1]
+
+
+def _hashable(x) -> bool:
+    if isinstance(x, np.ndarray):
+        return False
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
 def products(a: np.ndarray, b: np.ndarray, signed: bool = True) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """(a @ b.T where ``signed``, else None; |a| @ |b|.T; the row sums of |b|) in float64 for a [R, K]
     and b [N, K] of any floating format, by BLAS, through b widened in blocks of rows that stay in the
     cache for all three (widened whole, b would be its size again four times over: 470 MB at 15360 x
-    3840).  For bf16, fp16 and float32 operands the first two are ``dots_enclosure``'s mid and T^."""
+    3840); once per b and values of a inside ``sharing``.  For bf16, fp16 and float32 operands the first
+    two are ``dots_enclosure``'s mid and T^."""
     wide = np.ascontiguousarray(widen(a))
-    if _shared is not None:
-        known = _shared.get(id(b))
-        if known is not None and known[0] is b and np.array_equal(known[1], wide) and \
-                (known[2][0] is not None or not signed):
-            return known[2]
+    operands = (b, wide.tobytes(), wide.shape)
+    known = None if signed else shared("signed products", operands)
+    if known is not None:
+        return known
+    return shared("signed products" if signed else "products", operands, lambda: _products(wide, b, signed))
+
+
+def _products(wide: np.ndarray, b: np.ndarray, signed: bool):
     N, K = b.shape
     magnitude = np.concatenate([np.abs(wide), np.ones((1, K))])  # the last row sums |b|'s rows
     mid = np.empty((len(wide), N)) if signed else None
@@ -652,10 +681,7 @@ def products(a: np.ndarray, b: np.ndarray, signed: bool = True) -> tuple[np.ndar
                 np.matmul(wide, part.T, out=mid[:, start:start + step])
             np.abs(part, out=part)
             np.matmul(magnitude, part.T, out=absolute[:, start:start + step])
-    result = mid, absolute[:-1], absolute[-1]
-    if _shared is not None:
-        _shared[id(b)] = (b, wide, result)
-    return result
+    return mid, absolute[:-1], absolute[-1]
 
 
 _SLICED_BITS = 75  # each operand's slices reach 2^-75 of its row's largest entry: 11 bits below long double's
