@@ -727,7 +727,7 @@ def _sliced_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tuple[np.nd
     size_a = np.abs(rows).sum(axis=1) * (1 + K * 2.0**-52) + K * rest_a  # sum_k |A_k| bounded above
     mid, rad = np.empty((R, N), dtype=work), np.empty((R, N), dtype=work)
     u = np.longdouble(np.finfo(np.longdouble).eps) / 2
-    step = max(1, _BLAS_BLOCK // (4 * max(K, 1)))
+    step = max(1, _BLAS_BLOCK // max(K, 1))
     with one_blas_thread(), np.errstate(over="ignore", invalid="ignore"):
         for start in range(0, N, step):
             block = widen(b[start:start + step])
