@@ -18,13 +18,13 @@ The split of a whole job is ``benchmarks.split``'s.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import pickle
 import sys
 import time
 from collections import defaultdict
 
-import numpy as np
 import pytest
 
 
@@ -35,11 +35,13 @@ class Recorder:
         from gemma4_conformance.properties import judging
 
         self.calls, self.judging, self.assess = [], judging, judging.assess
+        signature = inspect.signature(judging.assess)
 
-        def recorded(op, args, out, dtype, seed=0, work=judging.ORACLE_WORK, first_stage=True, fallback=True,
-                     formats=None):
-            self.calls.append((op, args, np.asarray(out), dtype, seed, work, first_stage, fallback, formats))
-            return self.assess(op, args, out, dtype, seed, work, first_stage, fallback, formats)
+        def recorded(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()  # every argument by position: (op, args, out, dtype, ...)
+            self.calls.append(bound.args)
+            return self.assess(*args, **kwargs)
 
         judging.assess = recorded
 
@@ -56,12 +58,8 @@ def record(path: str, pytest_args: list[str]) -> int:
     return int(status)
 
 
-def printed(value: float) -> str:
-    return f"{value:.4g}"
-
-
 def replay(path: str, ops: set[str] | None, dtypes: set[str] | None, verdicts: str | None) -> None:
-    from gemma4_conformance.properties.judging import assess
+    from gemma4_conformance.properties.judging import assess, printed
 
     with open(path, "rb") as f:
         calls = [c for c in pickle.load(f) if (ops is None or c[0] in ops) and (dtypes is None or c[3] in dtypes)]

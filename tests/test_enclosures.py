@@ -168,13 +168,7 @@ def test_attention_bounds_in_long_double_from_float64_products_are_upper_bounds(
     w = enclosures._Work(np.longdouble)
     a = (rng.random((3, L)).astype(np.longdouble) * np.longdouble(2.0) ** binade) * (1 + np.longdouble(2.0) ** -60)
     b = np.abs(rng.standard_normal((L, D))) * 2.0 ** rng.integers(-40, 40)
-    upper = enclosures._upper_products(w, a, b)
+    upper, a, b = (as_mpf(x) for x in (enclosures._upper_products(w, a, b), a, b))
     with mpmath.workprec(4000):
         for i, j in np.ndindex(upper.shape):
-            exact = mpmath.fsum(_ld(a[i, l]) * mpmath.mpf(float(b[l, j])) for l in range(L))
-            assert _ld(upper[i, j]) >= exact, (i, j)
-
-
-def _ld(value) -> mpmath.mpf:
-    mantissa, exponent = np.frexp(value)
-    return mpmath.mpf(int(np.ldexp(mantissa, 64))) * mpmath.mpf(2) ** (int(exponent) - 64)
+            assert upper[i, j] >= mpmath.fsum(a[i, l] * b[l, j] for l in range(L)), (i, j)

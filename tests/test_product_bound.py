@@ -176,8 +176,12 @@ def test_a_slice_dropped_is_caught(monkeypatch):
     rng = np.random.default_rng(3)
     a, b = rng.standard_normal((2, 384)), rng.standard_normal((3, 384)) * np.exp2(rng.integers(-80, 0, (3, 384)))
     real = exact_sums._slices
-    monkeypatch.setattr(exact_sums, "_slices", lambda x, beta, count: (lambda s: (s[0][:-1] + [0 * s[0][-1]], s[1],
-                                                                                   s[2]))(real(x, beta, count)))
+
+    def last_slice_dropped(x, beta, count):
+        slices, exponents, rest = real(x, beta, count)
+        return slices[:-1] + [0 * slices[-1]], exponents, rest
+
+    monkeypatch.setattr(exact_sums, "_slices", last_slice_dropped)
     mid, rad = exact_sums.dots_enclosure(a, b, np.longdouble)
     assert outside(exact_sums_of(a, b), mid, rad)
 

@@ -333,7 +333,7 @@ def softmax(args, exact, dtype):
     return np.where(visible, scale, 0.0), np.where(visible, 2 * tiny(dtype), 0.0)
 
 
-def _attention(scale, visible, q, k, v, dtype, softmax=None):
+def _attention(scale, visible, q, k, v, dtype, parts=None):
     """sum_l p_l |v_l| w_l + (sum_l p_l |v_l|)(sum_j p_j w_j), w_l = 1 + |z_l| + a_l.
 
     a_l = |scale| sum_e |q_e k_le| bounds a logit's rounding errors (its accumulation and its rounding
@@ -344,10 +344,10 @@ def _attention(scale, visible, q, k, v, dtype, softmax=None):
     A weight's relative error e^d - 1, for a logit-error bound d, is at most d e^|d|: the first-order
     scale is multiplied by e^(2 d_max), d_max = u_D (3 + ratio (TAU + D)) max_l w_l over the row (two
     logits' errors meet in each ratio p_l / p_m).  The case strategies keep d_max small, where the
-    factor is near 1; beyond it the budget widens as the mathematics says it must.  ``softmax``: _logits's
-    parts, where they are known.
+    factor is near 1; beyond it the budget widens as the mathematics says it must.  ``parts``: _logits's,
+    where they are known.
     """
-    return _plain_model(*(softmax or _logits(scale, visible, q, k)), np.abs(v), visible, dtype)
+    return _plain_model(*(parts or _logits(scale, visible, q, k)), np.abs(v), visible, dtype)
 
 
 def _plain_model(p, z, magnitudes, mask, magnitude_v, visible, dtype):
@@ -373,7 +373,7 @@ def _logits(scale, visible, q, k):
     return p, z, magnitudes, mask
 
 
-def _attention_in_accumulation(scale, visible, q, k, v, dtype, softmax=None):
+def _attention_in_accumulation(scale, visible, q, k, v, dtype, parts=None):
     """Scale sum_l p_l |v_l| and the absolute allowance of an engine that keeps logits and softmax in A
     (FlashAttention-style kernels, and most serving engines): the weights are rounded to D for the
     product with v (or kept in A), the weighted sum is accumulated in A and rounded once to D.
@@ -386,7 +386,7 @@ def _attention_in_accumulation(scale, visible, q, k, v, dtype, softmax=None):
     (sum_l p_l |v_l|)(sum_j p_j w_j)), plus what may flush (as in the plain model).  The budget counts
     the roundings in D: each weight's, relative u_D (1), and the output's (0.5).
     """
-    return _in_accumulation_model(*(softmax or _logits(scale, visible, q, k)), np.abs(v), visible, dtype)
+    return _in_accumulation_model(*(parts or _logits(scale, visible, q, k)), np.abs(v), visible, dtype)
 
 
 def _in_accumulation_model(p, z, magnitudes, mask, magnitude_v, visible, dtype):
@@ -439,9 +439,9 @@ DECODE = AttentionInputs(_decode, one_query=True)
 def _per_op(model, inputs, name):
     def error_model(args, exact, dtype):
         scale, visible, q, k, v = inputs(args)
-        softmax = shared("attention's softmax", args, lambda: _logits(scale, visible, q, k))  # both tiers'
-        scale, absolute = model(scale, visible, q, k, v, dtype, softmax)
-        return inputs.output(scale), inputs.output(absolute)
+        parts = shared("attention's softmax", args, lambda: _logits(scale, visible, q, k))  # both tiers'
+        model_scale, absolute = model(scale, visible, q, k, v, dtype, parts)
+        return inputs.output(model_scale), inputs.output(absolute)
 
     error_model.__name__ = f"{name}_{model.__name__.strip('_')}"
     return error_model

@@ -47,8 +47,8 @@ def _gqa(scale, visible, q, k, v):
     """
     seen = visible.any(axis=0)  # a key no query sees has weight 0 in every sum: leave it out
     k, v, visible = k[seen], v[seen], visible[:, seen]
-    out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=object)  # d reads v's column d only: the judging
-    # passes the columns it needs (properties.table.restrict_attention)
+    out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=object)  # d reads v's column d only: a caller may
+    # pass only the columns of v it needs
     for c in range(q.shape[1]):
         logit = dots(q[:, c], k[:, c], scale=scale, rounded=False)  # [S, G, L]
         out[:, c] = dots(softmax(logit, visible[:, None, :]), v[:, c].T)

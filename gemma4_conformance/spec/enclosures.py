@@ -428,7 +428,7 @@ def softmax(s, visible, *, work):
 def _upper_products(w: _Work, a, b):
     """a @ b for nonnegative a [..., L] and b [L, D] in ``work`` by float64 BLAS.  In float64 the product
     itself: its roundings, (L + 1) u relative, sit inside the radius's MARGIN, as every radius's own
-    roundings do.  In long double (whose matrix products are not BLAS, 40 times slower) an upper bound:
+    roundings do.  In long double (whose matrix products are numpy's own loops, not BLAS) an upper bound:
     widening ``a`` rounds it up; each product and sum of nonnegatives then loses at most u64 relative,
     (L + 1) u64 in all in any order, and a value or product that underflows in float64 less than 2^-1074
     each, 2^-1073 (L + sum |b|) in all: the sum plus that, times 1 + 2 (L + 4) u64 (which holds its own

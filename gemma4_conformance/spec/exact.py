@@ -597,8 +597,9 @@ def _radius_factor(K: int) -> float:
 def dots_enclosure(a: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
     """``sum_k a[..., k] * b[n, k]`` for floating ``a [..., K]`` and ``b [N, K]`` as (mid, rad) in the
     floating type ``work``, |exact - mid| <= rad: for bf16, fp16 and float32 operands float64 matrix
-    products (BLAS, ``products``) and the a-priori bound above, for float64 ones the exact integer sums
-    of ``dots``.  rad is inf where an operand is not finite."""
+    products (BLAS, ``products``) and the a-priori bound above, for float64 ones the products of their
+    slices (``_sliced_dots_enclosure``), for mpf ones the exact integer sums of ``dots``.  rad is inf
+    where an operand is not finite."""
     K, N = a.shape[-1], b.shape[0]
     rows = a.reshape(math.prod(a.shape[:-1]), K)
     shape = a.shape[:-1] + (N,)
