@@ -244,3 +244,14 @@ def test_every_16_bit_value_widens_exactly(dtype):
         assert got.shape == want.shape
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_float64_sums_stay_tight_where_a_row_spans_more_than_its_slices():
+    """A large entry met by a 0 (a masked weight against a huge value) leaves the slices of b's row nothing
+    else to hold: the rest is bounded entry by entry, and the exact sums take what the slices left."""
+    a = np.array([[0.3, 0.7, 0.0], [0.5, 0.0, 0.5]])
+    b = np.array([[0.1, 0.2, 2.0**255], [1.0, -1.0, 3.0]])
+    mid, rad = exact_sums.dots_enclosure(a, b, np.longdouble)
+    exact = exact_sums_of(a, b)
+    assert not outside(exact, mid, rad)
+    assert (rad <= 2.0**-60 * np.abs(mid)).all(), rad
