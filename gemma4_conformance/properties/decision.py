@@ -97,6 +97,8 @@ def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute
     f_within, f_surely, f_beyond = True, True, False  # the sign flipped
     floats = np.empty(2)
     ints = floats.view(np.int64)
+    binade = 2.0**(precision - 1)  # a scale's ULP times this is the bottom of its binade
+    sure = allowed * (1 - slack)
     for i in range(n):
         g, e, r, s, a = got[i], exact[i], rad[i], scale[i], absolute[i * step]
         if enclosed:
@@ -107,7 +109,11 @@ def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute
         spacing = _scale_ulp(s, precision, emin, max_finite, floats, ints)
         a_unit = a / allowed if step else uniform_unit
         unit = spacing + a_unit
-        unit_low = _scale_ulp(nan_max(s - r, 0.0), precision, emin, max_finite, floats, ints) + a_unit
+        below = nan_max(s - r, 0.0)
+        if math.isfinite(s) and below >= spacing * binade:  # s - r in s's binade: the same ULP
+            unit_low = unit
+        else:
+            unit_low = _scale_ulp(below, precision, emin, max_finite, floats, ints) + a_unit
         u = err / unit if finite else math.inf
         u_high = err_high / unit_low if finite else math.inf
         right = flags and right_inf[i]
@@ -123,7 +129,7 @@ def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute
             worst, worst_ulps = i, u
         if zero_scale and zero_first < 0:
             zero_first = i
-        if finite and not zero_scale and not u_high <= allowed * (1 - slack) and r > 0:
+        if finite and not zero_scale and not u_high <= sure and r > 0:
             und = True
         ulps[i], undecided[i] = u, und
         if keep_high:
@@ -133,10 +139,12 @@ def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute
         if r > 0:
             uncertain = True
         allowance = allowed * spacing + a
-        z_within, z_surely, z_beyond = _admits(_answer_distance(0.0, e, r, slack), r, allowance, slack,
-                                               z_within, z_surely, z_beyond)
-        f_within, f_surely, f_beyond = _admits(_answer_distance(-e, e, r, slack), r, allowance, slack,
-                                               f_within, f_surely, f_beyond)
+        if z_within or z_surely or not z_beyond:  # once all three are settled no element changes them
+            z_within, z_surely, z_beyond = _admits(_answer_distance(0.0, e, r, slack), r, allowance, slack,
+                                                   z_within, z_surely, z_beyond)
+        if f_within or f_surely or not f_beyond:
+            f_within, f_surely, f_beyond = _admits(_answer_distance(-e, e, r, slack), r, allowance, slack,
+                                                   f_within, f_surely, f_beyond)
         if finite and not right:
             most = nan_max(most, u_high)
             if not u <= least:  # the error's lower bound is at most u: below least it leaves it as it is
