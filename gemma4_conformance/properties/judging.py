@@ -16,7 +16,7 @@ from gemma4_conformance.adapters import declared_formats
 from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, QuantizedWeight
 from gemma4_conformance.spec import CONTRACT, enclosures, format_of, get_precision, precision, round_to, scale_ulp
-from gemma4_conformance.spec.exact import one_blas_thread, shared, sharing, widen
+from gemma4_conformance.spec.exact import one_blas_thread, shared, sharing, widen, widened
 from gemma4_conformance.spec.formats import abs_error
 
 from . import decision
@@ -34,8 +34,8 @@ def _widened(args, op: str):
     error models share what they compute from them, ``spec.exact.shared``); the weights of a product (W,
     Wg, Wu) stay as they are: their error models read them a block at a time (``spec.exact.products``),
     where a float64 copy of a real-size W would be its size again four times over (470 MB at 15360 x 3840)."""
-    return shared("widened", args, lambda: tuple(a if name in WEIGHTS else widen(a)
-                                                 for a, name in zip(args, CONTRACT[op].arg_names)))
+    return shared("widened arguments", args, lambda: tuple(a if name in WEIGHTS else widened(a)
+                                                           for a, name in zip(args, CONTRACT[op].arg_names)))
 
 
 @dataclass
@@ -457,7 +457,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
     allowed = b.ulps(**quantities)
     f = format_of(dtype)
 
-    got64 = got.astype(np.float64)
+    got64 = widen(got)
     failures = []
     right_inf = undecided_in = np.zeros(0, dtype=bool)
     if not np.isfinite(got64).all():

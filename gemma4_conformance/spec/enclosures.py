@@ -28,7 +28,7 @@ from fractions import Fraction
 import numpy as np
 
 from . import compiled
-from .exact import dots_enclosure, sums_of_squares_enclosure
+from .exact import dots_enclosure, sums_of_squares_enclosure, widen, widened
 
 
 class NotEnclosed(Exception):
@@ -51,7 +51,7 @@ _E64, _MARGIN64 = compiled.constants(ELEMENTARY, MARGIN)  # the compiled kernels
 
 def _flat(x) -> np.ndarray:
     """A floating array as the compiled kernels take it: float64 (exact), contiguous, flat."""
-    return np.ascontiguousarray(np.asarray(x), dtype=np.float64).reshape(-1)
+    return np.ascontiguousarray(widened(np.asarray(x)), dtype=np.float64).reshape(-1)
 
 
 def _compiled(kernel, shape, *args):
@@ -73,7 +73,7 @@ class _Work:
 
     def array(self, x) -> np.ndarray:
         """A floating array in ``work``, exactly (every format under test widens exactly to float64)."""
-        return np.asarray(x).astype(np.float64).astype(self.type)
+        return widen(np.asarray(x)).astype(self.type)
 
     def real(self, r):
         """A real argument (eps, theta, scale, ...) in ``work``, exactly, or NotEnclosed."""

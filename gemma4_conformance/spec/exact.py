@@ -85,11 +85,17 @@ def widen(x):
     are float64 already)."""
     if not is_floating(x):
         return x
-    if x.dtype.itemsize == 2 and x.size:
+    if x.dtype.itemsize == 2 and x.ndim and x.size:
         out = np.empty(x.shape)
         widen_into(x.reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1]))
         return out
     return x.astype(np.float64, copy=False)
+
+
+def widened(x):
+    """``widen``, once per array inside ``sharing``: the enclosure and the error models read the same
+    float64 copy of an argument."""
+    return shared("widened", (x,), lambda: widen(x)) if is_floating(x) and x.dtype != np.float64 else x
 
 
 _FLOAT16_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64)
