@@ -311,6 +311,27 @@ def inv_freq(args, exact, dtype):
     return w, format_of(ACCUMULATION[dtype]).eps * w * (2 + log_w) + tiny(dtype)
 
 
+def head_logits(q, k):
+    """sum_e q[s, c, g, e] k[l, c, e] as [S, Hkv, G, L]: one batched matrix product per KV head (einsum
+    costs more to plan than products of these sizes take)."""
+    return _per_head(q, k.transpose(1, 2, 0))
+
+
+def head_sums(p, v):
+    """sum_l p[s, c, g, l] v[l, c, d] as [S, Hkv, G, D], as ``head_logits``."""
+    return _per_head(p, v.transpose(1, 0, 2))
+
+
+def _per_head(x, y):
+    S, C, G, K = x.shape
+    return np.matmul(x.transpose(1, 0, 2, 3).reshape(C, S * G, K), y).reshape(C, S, G, -1).transpose(1, 0, 2, 3)
+
+
+def visible_sums(visible, v):
+    """sum_l visible[s, l] v[l, c, d] as [S, Hkv, D]."""
+    return (visible.astype(v.dtype) @ v.reshape(v.shape[0], -1)).reshape(len(visible), *v.shape[1:])
+
+
 def _masked_softmax(logits, visible):
     """Softmax over the visible entries in float64, its shifted logits z = s - max, zeros elsewhere."""
     masked = np.where(visible, logits, -np.inf)
@@ -354,20 +375,20 @@ def _plain_model(p, z, magnitudes, mask, magnitude_v, visible, dtype):
     """_attention from the softmax p, |z|, a_l, the mask [S, Hkv, G, L] and |v| [L, Hkv, D] (or bounds on
     them: the model grows with each)."""
     weight = np.where(mask, 1 + np.abs(z) + magnitudes, 0.0)
-    pv = np.einsum("scgl,lcd->scgd", p, magnitude_v, optimize=True)
-    pwv = np.einsum("scgl,lcd->scgd", p * weight, magnitude_v, optimize=True)
+    pv = head_sums(p, magnitude_v)
+    pwv = head_sums(p * weight, magnitude_v)
     D = magnitude_v.shape[-1]
     d_max = format_of(dtype).eps * (3 + accumulation_ratio(dtype) * (tau(dtype) + D)) * np.max(weight, axis=-1)
     growth = np.exp(np.minimum(2 * d_max, 700))[..., None]
-    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + magnitude_v, optimize=True)[:, :, None, :]
+    flush = 2 * tiny(dtype) * visible_sums(visible, 1 + magnitude_v)[:, :, None, :]
     first_order = pwv + pv * np.sum(p * weight, axis=-1)[..., None]
     return first_order * growth, np.broadcast_to(flush, pwv.shape)
 
 
 def _logits(scale, visible, q, k):
     """The exact logits' softmax p and shifted logits z [S, Hkv, G, L], |scale| sum_e |q_e k_le| and the mask."""
-    logits = scale * np.einsum("scge,lce->scgl", q, k, optimize=True)
-    magnitudes = abs(scale) * np.einsum("scge,lce->scgl", np.abs(q), np.abs(k), optimize=True)
+    logits = scale * head_logits(q, k)
+    magnitudes = abs(scale) * head_logits(np.abs(q), np.abs(k))
     mask = visible[:, None, None, :]
     p, z = _masked_softmax(logits, mask)
     return p, z, magnitudes, mask
@@ -393,10 +414,10 @@ def _in_accumulation_model(p, z, magnitudes, mask, magnitude_v, visible, dtype):
     """_attention_in_accumulation from the softmax parts and |v|, as _plain_model."""
     D, L = magnitude_v.shape[-1], magnitude_v.shape[0]
     weight = np.where(mask, (D + 2) * magnitudes + np.abs(z) + tau(dtype) + 1, 0.0)
-    pv = np.einsum("scgl,lcd->scgd", p, magnitude_v, optimize=True)
-    pwv = np.einsum("scgl,lcd->scgd", p * weight, magnitude_v, optimize=True)
+    pv = head_sums(p, magnitude_v)
+    pwv = head_sums(p * weight, magnitude_v)
     in_accumulation = pwv + pv * (np.sum(p * weight, axis=-1)[..., None] + L + 2)
-    flush = 2 * tiny(dtype) * np.einsum("sl,lcd->scd", visible.astype(float), 1 + magnitude_v, optimize=True)[:, :, None, :]
+    flush = 2 * tiny(dtype) * visible_sums(visible, 1 + magnitude_v)[:, :, None, :]
     return pv, format_of(ACCUMULATION[dtype]).eps * in_accumulation + flush
 
 
@@ -689,10 +710,10 @@ def _kv_cache_attention(scale, visible, q, k, v, dtype, name):
     if not (np.isfinite(e).all() and np.isfinite(f).all()):
         unbounded = np.full(shape, np.inf)
         return unbounded, unbounded, unbounded, unbounded
-    moved = np.where(mask, abs(scale) * np.einsum("scge,lce->scgl", np.abs(q), e, optimize=True), 0.0)
+    moved = np.where(mask, abs(scale) * head_logits(np.abs(q), e), 0.0)
     mean_moved = np.sum(p * moved, axis=-1, keepdims=True)
     grows = np.exp(np.minimum(moved, 700))  # past e^700 the caps below hold the bound
-    o = np.einsum("scgl,lcd->scgd", p, v, optimize=True)
+    o = head_sums(p, v)
     spread, weighted = np.empty(shape), (p * (grows - 1))[..., None]
     step = max(1, _SPREAD_BLOCK // max(p.size, 1))
     for d in range(0, v.shape[-1], step):  # sum_l p_l (e^(d_l) - 1) |v_l - o|, output features a block at a time
@@ -702,7 +723,7 @@ def _kv_cache_attention(scale, visible, q, k, v, dtype, name):
     farthest = np.maximum(highest - o, o - lowest)  # max over the visible keys of |v_l - o|
     with np.errstate(over="ignore"):  # an inf is a bound the caps replace
         growth = np.exp(np.minimum(mean_moved, 700))
-        values = np.minimum(growth * np.einsum("scgl,lcd->scgd", p * grows, f, optimize=True), largest_f)
+        values = np.minimum(growth * head_sums(p * grows, f), largest_f)
         term = values + np.minimum(growth * spread, farthest)
     with np.errstate(divide="ignore"):
         weights = np.exp(np.minimum(np.log(p) + moved + mean_moved, 0.0))

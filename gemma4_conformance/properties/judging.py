@@ -21,6 +21,7 @@ from gemma4_conformance.spec.formats import abs_error
 
 from . import decision
 from .budget import budget
+from .error_models import visible_sums
 from .table import OPS, ORACLE_WORK, WEIGHTS, build, held_block
 
 
@@ -625,7 +626,7 @@ def trivial_answers(op: str, args: tuple, exact: np.ndarray) -> dict[str, Callab
     if inputs is not None:
         scale, visible, q, k, v = inputs(args)
         counts = visible.sum(-1)
-        mean = np.einsum("sl,lcd->scd", visible.astype(float), widen(v)) / np.maximum(counts, 1)[:, None, None]
+        mean = visible_sums(visible, widen(v)) / np.maximum(counts, 1)[:, None, None]
         uniform = np.broadcast_to(mean[:, :, None, :], q.shape)
         answers["uniform weights (q.k ignored)"] = partial(inputs.output, uniform)
         heads = exact.reshape(-1, *exact.shape[-3:])  # [S, Hkv, G, D], decode's one query too
