@@ -727,7 +727,8 @@ def _slices(x: np.ndarray, beta: int, count: int) -> tuple[list[np.ndarray], np.
 
 def _sliced_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
     """``dots_enclosure`` for float64 operands by BLAS on their slices (above); blocks of b it cannot
-    take (a non-finite entry, slices past float64's range) keep the exact integer sums."""
+    take (a non-finite entry, slices past float64's range), and the rows and columns where the slices
+    leave too much (``_LOOSE``), keep the exact integer sums."""
     K, N, R = rows.shape[-1], b.shape[0], rows.shape[0]
     rows = widen(rows)
     beta_a, count_a, beta_b, count_b = _slice_widths(K)
