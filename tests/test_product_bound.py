@@ -248,7 +248,7 @@ def test_every_16_bit_value_widens_exactly(dtype):
 
 def test_float64_sums_stay_tight_where_a_row_spans_more_than_its_slices():
     """A large entry met by a 0 (a masked weight against a huge value) leaves the slices of b's row nothing
-    else to hold: the rest is bounded entry by entry, and the exact sums take what the slices left."""
+    else to hold: the exact sums take the rows and columns whose radius the slices left loose."""
     a = np.array([[0.3, 0.7, 0.0], [0.5, 0.0, 0.5]])
     b = np.array([[0.1, 0.2, 2.0**255], [1.0, -1.0, 3.0]])
     mid, rad = exact_sums.dots_enclosure(a, b, np.longdouble)

@@ -575,12 +575,9 @@ def sums_of_squares(x: np.ndarray) -> np.ndarray:
 #   is an integer below 2^53 times u_i v_j, exact in float64 while u_i v_j >= 2^-1074 and the sum stays
 #   below 2^1023 (else that block of b keeps the exact integer sums).  So BLAS computes each product of
 #   slices exactly, in any order, blocking or use of FMA.
-# - The rest.  a = A + ra and b = B + rb (A, B the sums of the slices, ra and rb exact in float64 and
-#   |ra| <= |a|): ab = AB + A rb + ra b, and sum_k |A_k rb_k| + |ra_k b_k| <= (|a| + |ra|) |rb| + |ra| |b|
-#   elementwise, not per row: an entry the slices hold whole (a masked weight of 0) adds nothing, however
-#   large its partner.  Those two products of nonnegatives in float64 BLAS (|a| + |ra| rounded too) err
-#   by at most (K + 1) u relative and K 2^-1075 where products underflow: (T + K 2^-1074) (1 + (K + 3)
-#   2^-52) is above them.
+# - The rest.  a = A + ra and b = B + rb (A, B the sums of the slices): ab = AB + A rb + ra b, and
+#   |A rb| + |ra b| <= max|rb| (sum_k |a_k| + K max|ra|) + max|ra| sum_k |b_k| (the sums of |a| and |b|
+#   in float64 times 1 + K 2^-52, above them).
 # - The sum.  The products AB are added in long double, the smallest first: each addition errs by at
 #   most u |S_t| (S_t the computed partial sum), and their sum, times 1 + 2^-50, bounds it.
 # With slices down to 2^-75 of each row's largest entry, the radius is about u |mid|, as the exact
@@ -711,7 +708,8 @@ def _slice_widths(K: int) -> tuple[int, int, int, int]:
 
 def _slices(x: np.ndarray, beta: int, count: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray] | None:
     """x [M, K] (finite float64) as ``count`` slices (above), with each row's exponent e (max |x| < 2^e)
-    and the rest x less its slices, exactly; None where a sigma would leave float64's normal range."""
+    and the bound on its rest, 0 for a row of zeros; None where a sigma would leave float64's normal
+    range."""
     top = np.abs(x).max(axis=1, initial=0.0)
     e = np.frexp(top)[1].astype(np.int64)
     if len(e) and (e.max() - beta + 52 > 1022 or e.min() - count * beta + 52 < -1021):
@@ -722,7 +720,7 @@ def _slices(x: np.ndarray, beta: int, count: int) -> tuple[list[np.ndarray], np.
         part = (sigma + rest) - sigma
         rest = rest - part
         out.append(part)
-    return out, e, rest
+    return out, e, np.where(top > 0, np.ldexp(1.0, e - count * beta - 1), 0.0)
 
 
 def _sliced_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
@@ -737,8 +735,7 @@ def _sliced_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tuple[np.nd
         return _exact_dots_enclosure(rows, b, work)
     parts, e_a, rest_a = sliced
     stacked = np.concatenate(parts)  # [count_a R, K]: one product per slice of b
-    rest_a = np.abs(rest_a)
-    size_a = np.abs(rows) + rest_a  # |A| bounded above
+    size_a = np.abs(rows).sum(axis=1) * (1 + K * 2.0**-52) + K * rest_a  # sum_k |A_k| bounded above
     mid, rad = np.empty((R, N), dtype=work), np.empty((R, N), dtype=work)
     u = np.longdouble(np.finfo(np.longdouble).eps) / 2
     step = max(1, _BLAS_BLOCK // max(K, 1))
@@ -758,8 +755,7 @@ def _sliced_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tuple[np.nd
             for i, j in sorted(np.ndindex(count_a, count_b), key=sum, reverse=True):  # the smallest first
                 total += exact_products[j][i * R:(i + 1) * R]
                 drift += np.abs(total)
-            rest = size_a @ np.abs(rest_b).T + rest_a @ np.abs(block).T
-            rest = (rest + K * 2.0**-1074) * (1 + (K + 3) * 2.0**-52)
+            rest = rest_b[None, :] * size_a[:, None] + rest_a[:, None] * (np.abs(block).sum(axis=1) * (1 + K * 2.0**-52))
             bound = (u * drift + rest.astype(np.longdouble)) * np.longdouble(1 + 2.0**-50)
             narrowed = total.astype(work)
             mid[:, columns] = narrowed
