@@ -28,7 +28,7 @@ from fractions import Fraction
 import numpy as np
 
 from . import compiled
-from .exact import dots_enclosure, sums_of_squares_enclosure, widen, widened
+from .exact import dots_enclosure, sums_of_squares_enclosure, widened
 
 
 class NotEnclosed(Exception):
@@ -73,7 +73,7 @@ class _Work:
 
     def array(self, x) -> np.ndarray:
         """A floating array in ``work``, exactly (every format under test widens exactly to float64)."""
-        return widen(np.asarray(x)).astype(self.type)
+        return widened(np.asarray(x)).astype(self.type)
 
     def real(self, r):
         """A real argument (eps, theta, scale, ...) in ``work``, exactly, or NotEnclosed."""
