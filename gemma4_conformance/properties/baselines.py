@@ -20,10 +20,12 @@ that are values of D.  For float32 and float64 (A = D) every arrangement is the 
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import numpy as np
 
 from gemma4_conformance.spec import format_of
+from gemma4_conformance.spec.compiled import jit
 
 from .budget import ACCUMULATION
 from .error_models import AttentionInputs
@@ -32,17 +34,48 @@ SCALE_AT = ("product", "accumulated", "query", "split")
 SOFTMAX_IN = ("dtype", "accumulation")
 
 
+@jit
+def _round_float32(x, out, to_fp16):
+    """Float32 values rounded to nearest even in bf16 (or fp16, ``to_fp16``), into ``out`` as float32: the
+    bits are rounded (a carry moves the exponent up, past the largest finite to inf), fp16's overflow
+    from 65520 is inf and its subnormals are rounded by adding 1/2, whose float32 ULP is their spacing
+    2^-24; inf and nan pass.  Bit for bit what the casts there and back give (ml_dtypes' and numpy's, on
+    every float32: tests/test_baselines.py samples them), in one pass: numpy's fp16 cast was most of
+    the plain arrangements' cost."""
+    bits, out_bits = x.view(np.uint32), out.view(np.uint32)
+    half = np.float32(0.5)
+    for i in range(x.size):
+        b = bits[i]
+        magnitude = b & np.uint32(0x7FFFFFFF)
+        if magnitude >= np.uint32(0x7F800000):
+            out_bits[i] = b
+        elif not to_fp16:
+            out_bits[i] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        elif magnitude >= np.uint32(0x477FF000):  # 65520
+            out_bits[i] = (b & np.uint32(0x80000000)) | np.uint32(0x7F800000)
+        elif magnitude >= np.uint32(0x38800000):  # 2^-14, fp16's smallest normal
+            out_bits[i] = (b + np.uint32(0xFFF) + ((b >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+        else:
+            rounded = (abs(x[i]) + half) - half
+            out[i] = rounded if b == magnitude else -rounded
+
+
+def round_to_dtype(x, dtype: str) -> np.ndarray:
+    """Float32 ``x`` rounded to bf16 or fp16 (``dtype``), as float32 (``_round_float32``)."""
+    x = np.ascontiguousarray(x)
+    if x.dtype != np.float32:  # a wider value would be rounded twice
+        raise TypeError(f"round_to_dtype takes float32, not {x.dtype}")
+    out = np.empty(x.shape, dtype=np.float32)
+    _round_float32(x.reshape(-1), out.reshape(-1), dtype == "float16")
+    return out
+
+
 def _rounder(dtype):
     """Round an array in A to D and back to A (float32, or float64 for float64); None where D is A."""
     d, a = format_of(dtype).dtype, format_of(ACCUMULATION[dtype]).dtype
     if d == a:
         return None, a
-
-    def round_d(x):
-        with np.errstate(over="ignore", invalid="ignore"):
-            return np.asarray(x).astype(d).astype(a)
-
-    return round_d, a
+    return partial(round_to_dtype, dtype=dtype), a
 
 
 def _logits(scale, q, k, round_d, a) -> dict[str, np.ndarray]:
@@ -60,19 +93,28 @@ def _logits(scale, q, k, round_d, a) -> dict[str, np.ndarray]:
             "split": round_d(np.einsum("scge,lce->scgl", round_d(q * root), round_d(k * root), optimize=True))}
 
 
-def _weighted(logits, visible, v, round_d, softmax_in: str) -> np.ndarray:
-    """The softmax of ``logits`` (in D or in A, SOFTMAX_IN; one where D is A) times v, accumulated in A and
-    rounded to D."""
+def _weights(logits, visible, round_d, softmax_in: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The softmax of ``logits`` over the visible keys, rounded to D, in each of ``softmax_in`` (SOFTMAX_IN):
+    in D or in A (one where D is A); the two share the row's largest logit and its shift."""
     round_d = round_d or (lambda x: x)
     mask = np.broadcast_to(visible[:, None, None, :], logits.shape)
     top = np.max(logits, axis=-1, keepdims=True, where=mask, initial=-np.inf)
     top = np.where(np.isfinite(top), top, 0)
-    if softmax_in == "dtype":
-        e = np.where(mask, round_d(np.exp(round_d(logits - top))), 0)
-    else:
-        e = np.where(mask, np.exp(logits - top), 0)
-    total = np.sum(e, axis=-1, keepdims=True)
-    p = round_d(e / np.where(total > 0, total, 1))
+    shifted = logits - top
+    weights = {}
+    for where in softmax_in:
+        if where == "dtype":
+            e = np.where(mask, round_d(np.exp(round_d(shifted))), 0)
+        else:
+            e = np.where(mask, np.exp(shifted), 0)
+        total = np.sum(e, axis=-1, keepdims=True)
+        weights[where] = round_d(e / np.where(total > 0, total, 1))
+    return weights
+
+
+def _weighted(p, v, round_d) -> np.ndarray:
+    """The weights ``p`` times v, accumulated in A and rounded to D, as float64."""
+    round_d = round_d or (lambda x: x)
     return round_d(np.einsum("scgl,lcd->scgd", p, v, optimize=True)).astype(np.float64)
 
 
@@ -83,12 +125,12 @@ def arrangements(inputs: AttentionInputs, args: tuple, dtype: str) -> list[np.nd
     scale, visible, q, k, v = inputs(args)
     round_d, a = _rounder(dtype)
     q, k, v = q.astype(a), k.astype(a), v.astype(a)
+    softmax_in = SOFTMAX_IN if round_d is not None else ("accumulation",)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         logits = _logits(scale, q, k, round_d, a)
-        computed, outputs = {}, []
-        for at, where in itertools.product(SCALE_AT, SOFTMAX_IN):
-            key = (at, where) if round_d is not None else ("product" if at == "accumulated" else at, "accumulation")
-            if key not in computed:
-                computed[key] = inputs.output(_weighted(logits[key[0]], visible, v, round_d, key[1]))
-            outputs.append(computed[key])
-        return outputs
+        outputs = {(at, where): inputs.output(_weighted(p, v, round_d))
+                   for at in logits for where, p in _weights(logits[at], visible, round_d, softmax_in).items()}
+    if round_d is None:  # one computation for the arrangements that differ only in roundings to D
+        return [outputs["product" if at == "accumulated" else at, "accumulation"]
+                for at, _ in itertools.product(SCALE_AT, SOFTMAX_IN)]
+    return [outputs[key] for key in itertools.product(SCALE_AT, SOFTMAX_IN)]
