@@ -182,3 +182,60 @@ def tier2_excess(answers, exact, rad, sign, slack, absolute, unit, judged):
                 worst = nan_max(worst, nan_max(distance - absolute[j], 0.0) / unit[j])
         out[i] = worst
     return out
+
+
+
+@jit
+def _fold_others(values, h, fold):
+    """``values`` folded over every head but h: all (fold 0), any (1)."""
+    out = fold == 0
+    for other in range(values.size):
+        if other != h:
+            out = (out and values[other]) if fold == 0 else (out or values[other])
+    return out
+
+
+@jit
+def zeroed_heads_admits(heads, count, exact, rad, scale, absolute, allowed, precision, emin, max_finite, slack):
+    """``admits`` for each of ``count`` answers, answer h being ``exact`` with the elements of head h zeroed
+    (``heads``: each element's head): one pass folds each head's elements as zeroed and as exact, and
+    answer h is its own head zeroed with every other head exact (the folds are ands and ors, in any
+    order).  Returns [count, 3]: (all within, all surely within, any surely beyond)."""
+    zeroed, kept = np.zeros((3, count), dtype=np.bool_), np.zeros((3, count), dtype=np.bool_)
+    zeroed[:2], kept[:2] = True, True
+    floats = np.empty(2)
+    ints = floats.view(np.int64)
+    step = 1 if absolute.size > 1 else 0
+    for i in range(exact.size):
+        h, e, r = heads[i], exact[i], rad[i]
+        allowance = allowed * _scale_ulp(scale[i], precision, emin, max_finite, floats, ints) + absolute[i * step]
+        zeroed[0, h], zeroed[1, h], zeroed[2, h] = _admits(_answer_distance(0.0, e, r, slack), r, allowance, slack,
+                                                           zeroed[0, h], zeroed[1, h], zeroed[2, h])
+        kept[0, h], kept[1, h], kept[2, h] = _admits(_answer_distance(e, e, r, slack), r, allowance, slack,
+                                                     kept[0, h], kept[1, h], kept[2, h])
+    out = np.empty((count, 3), dtype=np.bool_)
+    for h in range(count):
+        out[h, 0] = zeroed[0, h] and _fold_others(kept[0], h, 0)
+        out[h, 1] = zeroed[1, h] and _fold_others(kept[1], h, 0)
+        out[h, 2] = zeroed[2, h] or _fold_others(kept[2], h, 1)
+    return out
+
+
+@jit
+def zeroed_heads_excess(heads, count, exact, rad, sign, slack, absolute, unit, judged):
+    """``tier2_excess`` of the answers of ``zeroed_heads_admits``, by the same split: the largest excess of
+    head h zeroed and of every other head exact."""
+    zeroed, kept = np.zeros(count), np.zeros(count)
+    for j in range(exact.size):
+        if judged[j]:
+            h, e, margin = heads[j], exact[j], sign * rad[j] * (1 + slack)
+            zeroed[h] = nan_max(zeroed[h], nan_max(nan_max(abs(0.0 - e) + margin, 0.0) - absolute[j], 0.0) / unit[j])
+            kept[h] = nan_max(kept[h], nan_max(nan_max(abs(e - e) + margin, 0.0) - absolute[j], 0.0) / unit[j])
+    out = np.empty(count)
+    for h in range(count):
+        worst = zeroed[h]
+        for other in range(count):
+            if other != h:
+                worst = nan_max(worst, kept[other])
+        out[h] = worst
+    return out

@@ -580,6 +580,23 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
 
     admitted = [name for name, answer in trivial_answers(op, args, exact64).items()
                 if tier1_admits(name, answer) and (tier2_admits is None or tier2_admits(answer()))]
+    if OPS[op].attention is not None:  # each query head zeroed: all heads' answers in one pass
+        heads, count = zeroed_heads(exact64)
+        states = decision.zeroed_heads_admits(heads, count, _flat(exact64), _flat(stage.rad), flat_scale, flat_absolute,
+                                              *constants)
+        if tier2 is not None:
+            excess = {sign: decision.zeroed_heads_excess(heads, count, *tier[:2], float(sign), _SLACK, *tier[2:])
+                      for sign in (0, -1, 1)}
+        for h in range(count):
+            if not decided(states[h]):
+                continue
+            if tier2 is not None:
+                admits = excess[0][h] <= tier2.allowed
+                if uncertain and (admits != (excess[-1][h] <= tier2.allowed) or admits != (excess[1][h] <= tier2.allowed)):
+                    whole = True
+                if not admits:
+                    continue
+            admitted.append(f"query head {h} zeroed")
     errors = ulps[np.isfinite(ulps)] if not_finite else ulps.ravel()
     verdict = Verdict(op, dtype, allowed, errors, failures, tier2, admitted, checked=got.size)
     if declared is not None:
@@ -619,8 +636,8 @@ def printed(ulps: float) -> str:
 def trivial_answers(op: str, args: tuple, exact: np.ndarray) -> dict[str, Callable[[], np.ndarray]]:
     """Wrong answers an allowance must exclude for an example to count as evidence, each made when asked
     (the verdict's compiled loop judges the first two without them): zeros and the sign flipped for
-    every op; for attention also the uniform average of the visible values (q.k ignored) and each query
-    head zeroed."""
+    every op; for attention also the uniform average of the visible values (q.k ignored), and each query
+    head zeroed (``zeroed_heads``)."""
     answers = {"zeros": lambda: np.zeros_like(exact), "the sign flipped": lambda: -exact}
     inputs = OPS[op].attention
     if inputs is not None:
@@ -629,12 +646,16 @@ def trivial_answers(op: str, args: tuple, exact: np.ndarray) -> dict[str, Callab
         mean = visible_sums(visible, widen(v)) / np.maximum(counts, 1)[:, None, None]
         uniform = np.broadcast_to(mean[:, :, None, :], q.shape)
         answers["uniform weights (q.k ignored)"] = partial(inputs.output, uniform)
-        heads = exact.reshape(-1, *exact.shape[-3:])  # [S, Hkv, G, D], decode's one query too
-        for c, g in np.ndindex(*heads.shape[1:3]):
-            zeroed = heads.copy()
-            zeroed[:, c, g] = 0.0
-            answers[f"query head {c * heads.shape[2] + g} zeroed"] = partial(zeroed.reshape, exact.shape)
     return answers
+
+
+def zeroed_heads(exact: np.ndarray) -> tuple[np.ndarray, int]:
+    """The query head c G + g of each element of an attention output [S, Hkv, G, D] (decode's [Hkv, G, D]),
+    flat, and how many there are: the trivial answers "query head h zeroed" are ``exact`` with head h's
+    elements 0 (decision.zeroed_heads_admits judges them all in one pass)."""
+    Hkv, G, D = exact.shape[-3:]
+    heads = np.broadcast_to(np.arange(Hkv * G).reshape(Hkv, G, 1), exact.shape)
+    return np.ascontiguousarray(heads).reshape(-1), Hkv * G
 
 
 def _first(mask: np.ndarray):
