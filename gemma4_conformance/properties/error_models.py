@@ -458,11 +458,14 @@ DECODE = AttentionInputs(_decode, one_query=True)
 
 
 def _per_op(model, inputs, name):
-    def error_model(args, exact, dtype):
+    def modelled(args, dtype):
         scale, visible, q, k, v = inputs(args)
         parts = shared("attention's softmax", args, lambda: _logits(scale, visible, q, k))  # both tiers'
         model_scale, absolute = model(scale, visible, q, k, v, dtype, parts)
         return inputs.output(model_scale), inputs.output(absolute)
+
+    def error_model(args, exact, dtype):  # of the arguments alone: once per assessment, however often judged
+        return shared(error_model.__name__, (*args, dtype), lambda: modelled(args, dtype))
 
     error_model.__name__ = f"{name}_{model.__name__.strip('_')}"
     return error_model

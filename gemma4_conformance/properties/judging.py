@@ -556,7 +556,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
         def beyond(answer, sign=0) -> float:
             return beyond_each([answer], sign)[0]
 
-        plains = list(entry.baselines(args, dtype))
+        plains = shared("plain arrangements", (*args, dtype), lambda: list(entry.baselines(args, dtype)))
         baseline = max(beyond_each(plains))
         candidate = np.where(np.isfinite(got64), got64, np.inf)
         tier2 = BaselineTier(beyond(candidate), baseline, b.tier2.ulps(**quantities) + b.factor * baseline)
