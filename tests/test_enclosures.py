@@ -172,3 +172,28 @@ def test_attention_bounds_in_long_double_from_float64_products_are_upper_bounds(
     with mpmath.workprec(4000):
         for i, j in np.ndindex(upper.shape):
             assert upper[i, j] >= mpmath.fsum(a[i, l] * b[l, j] for l in range(L)), (i, j)
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True)
+@given(st.integers(1, 300), st.integers(1, 24), st.integers(-1100, 0), st.integers(-1074, 1000),
+       st.booleans(), st.integers(0, 2**32 - 1))
+def test_attention_weighted_sums_in_long_double_hold_their_bound(L, D, p_binade, v_binade, cancel, seed):
+    """``_weighted_sums`` for a float64 target (double-double sums of float64 products) errs by at most u
+    |p @ v| + 2^-66 sum_l p_l |v_l| + 2^-1071 (L + sum_l |v_l|), u = 2^-64: down to weights and values
+    that underflow float64, through rows that cancel, and, past 2^995, by the long double products."""
+    rng = np.random.default_rng(seed)
+    w = enclosures._Work(np.longdouble)
+    p = rng.random((2, 3, L)).astype(np.longdouble) * np.longdouble(2.0) ** p_binade * (1 + np.longdouble(2.0) ** -60)
+    v = rng.standard_normal((L, D)) * 2.0 ** min(v_binade, 1020)
+    if cancel:  # each value's negation too: the sums cancel to their rounding errors
+        v[L // 2:2 * (L // 2)] = -v[:L // 2]
+    out, underflow = enclosures._weighted_sums(w, p, v.astype(np.longdouble), v)
+    out, p_exact, v_exact = as_mpf(out), as_mpf(p), as_mpf(v)
+    with mpmath.workprec(4000):
+        for s, g, d in np.ndindex(out.shape):
+            terms = [p_exact[s, g, l] * v_exact[l, d] for l in range(L)]
+            exact, magnitude = mpmath.fsum(terms), mpmath.fsum(abs(t) for t in terms)
+            bound = abs(exact) * mpmath.mpf(2) ** -64 + magnitude * mpmath.mpf(2) ** -66
+            if isinstance(underflow, np.ndarray):  # the double-double sums' (none for long double products)
+                bound += mpmath.mpf(float(underflow[d]))
+            assert abs(out[s, g, d] - exact) <= bound, (s, g, d)

@@ -252,3 +252,47 @@ def sums_of_squares(x, H, margin, squares, rad):
         n = H - 1 if H > 0 else 0
         squares[row] = total
         rad[row] = 2 * n * U * total * margin if n * U <= 0.25 else math.inf
+
+
+_SPLITTER = 134217729.0  # 2^27 + 1: Dekker's, which splits a float64 into two halves of 26 bits
+
+
+@jit
+def _halves(x):
+    """x = big + small exactly, each of at most 26 significant bits (|x| <= 2^995: the product stays finite)."""
+    c = _SPLITTER * x
+    big = c - (c - x)
+    return big, x - big
+
+
+@jit
+def weighted_sums(p_high, p_low, v, high, low):
+    """sum_l (p_high + p_low)[r, l] v[l, d] for p [R, L] as two float64s and v [L, D], into the double-double
+    high + low [R, D]: each p_high v exactly (Dekker's product), summed into high by TwoSum, whose errors,
+    the products' and p_low v go to low.  That is Ogita, Rump and Oishi's Dot2 (Accurate sum and dot
+    product, 2005) and one more term a product: high + low errs by at most gamma_L^2 sum_l |p_l v_l| and
+    L 2^-104 of it for p_low, under 2^-66 of it for L <= 2^20.  Subnormal products, their errors and a
+    p_l below 2^-1022 (its split loses up to 2^-1075) add at most 2^-1071 (L + sum_l |v_l|) in all.
+    |v| <= 2^995 and p in [0, 1] keep every step finite."""
+    R, L = p_high.shape
+    D = v.shape[1]
+    v_big, v_small = np.empty((L, D)), np.empty((L, D))
+    for l in range(L):
+        for d in range(D):
+            v_big[l, d], v_small[l, d] = _halves(v[l, d])
+    for r in range(R):
+        for d in range(D):
+            high[r, d], low[r, d] = 0.0, 0.0
+        for l in range(L):
+            a, b = p_high[r, l], p_low[r, l]
+            a_big, a_small = _halves(a)
+            for d in range(D):
+                x = v[l, d]
+                product = a * x
+                error = ((a_big * v_big[l, d] - product) + a_big * v_small[l, d] + a_small * v_big[l, d]) \
+                    + a_small * v_small[l, d]
+                total = high[r, d] + product
+                back = total - high[r, d]
+                rounding = (high[r, d] - (total - back)) + (product - back)
+                high[r, d] = total
+                low[r, d] = low[r, d] + (rounding + error + b * x)

@@ -442,14 +442,33 @@ def _upper_products(w: _Work, a, b):
     return ((wide @ b.astype(np.float64) + lost) * (1 + (L + 4) * 2.0**-52)).astype(w.type)
 
 
+def _weighted_sums(w: _Work, p, values, wide):
+    """p @ values in ``work`` (p [S, G, L] in it, values [L, D] in it and in float64 ``wide``) and what it
+    adds to the radius beyond L u sum_l p_l |v_l|.  In long double: the double-double sums of
+    ``compiled.weighted_sums`` (p split exactly into two float64s), rounded once to long double, err by at
+    most u |p @ v| + 2^-66 sum_l p_l |v_l|, inside (L + 2) u sum_l p_l |v_l|; their underflow adds
+    2^-1071 (L + sum_l |v_l|).  numpy's long double matrix products, which they replace, cost five times
+    as much; they remain where a value is past 2^995 (or not finite), where the splits would overflow."""
+    if w.type is np.float64 or not (np.abs(wide) <= 2.0**995).all():
+        return p @ values, 0.0
+    S, G, L = p.shape
+    high = p.astype(np.float64)
+    low = (p - high).astype(np.float64)
+    out_high, out_low = np.empty((S * G, values.shape[1])), np.empty((S * G, values.shape[1]))
+    compiled.weighted_sums(high.reshape(-1, L), low.reshape(-1, L), np.ascontiguousarray(wide), out_high, out_low)
+    out = (out_high.astype(w.type) + out_low.astype(w.type)).reshape(S, G, -1)
+    return out, 2.0**-1071 * (L + np.abs(wide).sum(axis=0))
+
+
 def _gqa(scale, visible, q, k, v, work):
     """Softmax of the logits' enclosure (``dots_enclosure`` times scale, one more rounding) and the weighted
-    sum of values in ``work`` by matrix products: its error is at most L u sum_l p_l |v_l| in any order
+    sum of values in ``work`` (``_weighted_sums``): its error is at most L u sum_l p_l |v_l| in any order
     (gamma_L), plus each weight's relative error times p_l |v_l| (those two sums bounded above by
     ``_upper_products``)."""
     w = _Work(work)
     scale = w.real(scale)
-    vw = w.array(v)
+    wide = widened(np.asarray(v))
+    vw = wide.astype(w.type)
     out = np.empty(q.shape, dtype=w.type)
     rad = np.empty(q.shape, dtype=w.type)
     L = k.shape[0]
@@ -460,10 +479,11 @@ def _gqa(scale, visible, q, k, v, work):
         logits_rad = abs(scale) * dot_rad + w.u * np.abs(logits)
         p, rel = _softmax(w, logits, logits_rad, mask)
         values = vw[:, c]
-        out[:, c] = p @ values
+        out[:, c], underflow = _weighted_sums(w, p, values, wide[:, c])
         weight_error = _upper_products(w, rel * p, np.abs(values))
         magnitude = _upper_products(w, p, np.abs(values))
-        rad[:, c] = weight_error + (L + 2) * w.u * magnitude + 2 * w.tiny * (1 + np.abs(values).sum(axis=0))
+        rad[:, c] = weight_error + (L + 2) * w.u * magnitude + 2 * w.tiny * (1 + np.abs(values).sum(axis=0)) \
+            + underflow
     return out, w.rad(out, 0.0, rad)
 
 
