@@ -194,10 +194,13 @@ def embed(op, args, rng, work=ORACLE_WORK):
 
 
 def _embed(args, keep):
+    """The tokens ``keep`` with only the rows of E they read (the oracle takes each entry of E exactly)."""
     c, E, tokens = args
-    if len(keep) == len(tokens):
+    tokens = np.asarray(tokens)
+    rows, read = np.unique(tokens[keep], return_inverse=True)
+    if len(keep) == len(tokens) and len(rows) == len(E):
         return args, (Ellipsis,)
-    return (c, E, np.asarray(tokens)[keep]), (keep,)
+    return (c, np.asarray(E)[rows], read.reshape(-1)), (keep,)
 
 
 def restrict_embed(op, args, mask):

@@ -35,13 +35,13 @@ def gelu_mul(gu):
 @oracle
 def residual(r, x, h):
     """``residual r x h := fun t i => x t i + r * h t i``"""
-    return x + r * h
+    return x + h * r  # the array first: an mpf first would try, and fail, to convert it (formatting it for the error)
 
 
 @oracle
 def embed(c, E, tokens):
     """``embed c E tokens := fun t i => c * E (tokens t) i``: ``E [V, H]``, ``tokens [T]`` -> ``[T, H]``."""
-    return c * E[np.asarray(tokens)]
+    return E[np.asarray(tokens)] * c  # the array first, as in residual
 
 
 @oracle(summed=("W", "x"))
@@ -54,5 +54,5 @@ def lm_head(mul, cap, W, x):
           | none => mul * linear W x t v
           | some c => softcap c (mul * linear W x t v)
     """
-    logits = mul * linear(W, x)
+    logits = linear(W, x) * mul  # the array first, as in residual
     return logits if cap is None else softcap(cap, logits)
