@@ -26,6 +26,7 @@ import numpy as np
 
 from gemma4_conformance.spec import format_of
 from gemma4_conformance.spec.compiled import jit
+from gemma4_conformance.spec.exact import widened
 
 from .budget import ACCUMULATION
 from .error_models import AttentionInputs
@@ -124,7 +125,7 @@ def arrangements(inputs: AttentionInputs, args: tuple, dtype: str) -> list[np.nd
     visible are 0.  Where D is A, arrangements that differ only in roundings to D are one computation."""
     scale, visible, q, k, v = inputs(args)
     round_d, a = _rounder(dtype)
-    q, k, v = q.astype(a), k.astype(a), v.astype(a)
+    q, k, v = (widened(x).astype(a, copy=False) for x in (q, k, v))  # the judging's float64 copies, exact in A
     softmax_in = SOFTMAX_IN if round_d is not None else ("accumulation",)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         logits = _logits(scale, q, k, round_d, a)

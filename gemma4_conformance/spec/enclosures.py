@@ -468,7 +468,7 @@ def _gqa(scale, visible, q, k, v, work):
     w = _Work(work)
     scale = w.real(scale)
     wide = widened(np.asarray(v))
-    vw = wide.astype(w.type)
+    vw = wide.astype(w.type, copy=False)
     out = np.empty(q.shape, dtype=w.type)
     rad = np.empty(q.shape, dtype=w.type)
     L = k.shape[0]
