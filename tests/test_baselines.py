@@ -22,7 +22,8 @@ def test_rounding_to_a_16_bit_format_is_the_cast_there_and_back(dtype, target, d
         cast = x.astype(target).astype(np.float32)
     rounded = round_to_dtype(x, dtype)
     same = (rounded.view(np.uint32) == cast.view(np.uint32)) | (np.isnan(rounded) & np.isnan(cast))
-    assert same.all(), f"{np.count_nonzero(~same)} differ, first {x[~same][0]!r}: {rounded[~same][0]!r}, cast {cast[~same][0]!r}"
+    assert same.all(), f"{np.count_nonzero(~same)} differ, first {x[~same][0]!r}: {rounded[~same][0]!r}, " \
+                       f"cast {cast[~same][0]!r}"
 
 
 def test_rounding_refuses_what_it_would_round_twice():

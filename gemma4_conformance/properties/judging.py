@@ -592,7 +592,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
                 continue
             if tier2 is not None:
                 admits = excess[0][h] <= tier2.allowed
-                if uncertain and (admits != (excess[-1][h] <= tier2.allowed) or admits != (excess[1][h] <= tier2.allowed)):
+                if uncertain and any(admits != (excess[sign][h] <= tier2.allowed) for sign in (-1, 1)):
                     whole = True
                 if not admits:
                     continue
