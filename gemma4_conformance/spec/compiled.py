@@ -271,8 +271,9 @@ def weighted_sums(p_high, p_low, v, high, low):
     high + low [R, D]: each p_high v exactly (Dekker's product), summed into high by TwoSum, whose errors,
     the products' and p_low v go to low.  That is Ogita, Rump and Oishi's Dot2 (Accurate sum and dot
     product, 2005) and one more term a product: high + low errs by at most gamma_L^2 sum_l |p_l v_l| and
-    L 2^-104 of it for p_low, under 2^-66 of it for L <= 2^20.  Subnormal products, their errors and a
-    p_l below 2^-1022 (its split loses up to 2^-1075) add at most 2^-1071 (L + sum_l |v_l|) in all.
+    L 2^-104 of it for p_low, under 2^-66 of it for L <= 2^20.  Subnormal products and their errors, and
+    a weight whose low half is subnormal (its split loses up to 2^-1075), add at most 2^-1071 (L + sum_l
+    |v_l|) in all.
     |v| <= 2^995 and p in [0, 1] keep every step finite."""
     R, L = p_high.shape
     D = v.shape[1]

@@ -447,8 +447,8 @@ def _weighted_sums(w: _Work, p, values, wide):
     adds to the radius beyond L u sum_l p_l |v_l|.  In long double: the double-double sums of
     ``compiled.weighted_sums`` (p split exactly into two float64s), rounded once to long double, err by at
     most u |p @ v| + 2^-66 sum_l p_l |v_l|, inside (L + 2) u sum_l p_l |v_l|; their underflow adds
-    2^-1071 (L + sum_l |v_l|).  numpy's long double matrix products, which they replace, cost five times
-    as much; they remain where a value is past 2^995 (or not finite), where the splits would overflow."""
+    2^-1071 (L + sum_l |v_l|).  numpy's long double matrix product (no BLAS) remains where a value is past
+    2^995 (or not finite), where the splits would overflow."""
     if w.type is np.float64 or not (np.abs(wide) <= 2.0**995).all():
         return p @ values, 0.0
     S, G, L = p.shape
