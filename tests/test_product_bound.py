@@ -134,13 +134,13 @@ def test_float64_operands_are_enclosed_to_long_double_precision():
 
 @st.composite
 def float64_operands(draw):
-    """Two rows of a and three of b in float64, where slicing them is hardest: entries spread over many
-    binades within a row (bits below the slices' reach), near the largest and smallest exponents the
-    slices take (and past them, where a block keeps the exact sums), subnormals, sums that cancel, an
-    inf; K up to the real 15360."""
+    """Two rows of a and three of b in float64, where their double-double sums are hardest: entries
+    spread over many binades within a row, products near overflow (past the sums' limit, where the
+    exact sums take them), products and their errors below float64's normal range, subnormals, sums that
+    cancel, an inf; K up to the real 15360."""
     K = draw(st.sampled_from(REAL_DEPTHS) | st.integers(1, 15360))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    kind = draw(st.sampled_from(["spread", "large", "small", "subnormal", "cancel", "inf"]))
+    kind = draw(st.sampled_from(["spread", "large", "small", "underflow", "subnormal", "cancel", "inf"]))
     a, b = rng.standard_normal((2, K)), rng.standard_normal((3, K))
     if kind == "spread":
         a = a * np.exp2(rng.integers(-80, 80, a.shape))
@@ -149,6 +149,8 @@ def float64_operands(draw):
         a, b = a * 2.0 ** draw(st.integers(400, 1000)), b * 2.0 ** draw(st.integers(-60, 60))
     elif kind == "small":
         a, b = a * 2.0 ** draw(st.integers(-1000, -400)), b * 2.0 ** draw(st.integers(-200, 0))
+    elif kind == "underflow":  # products near 2^-1060: their roundings and errors below 2^-1022
+        a, b = a * 2.0**-530, b * 2.0 ** -draw(st.integers(500, 545))
     elif kind == "subnormal":
         a, b = a * 2.0**-1074 * 2**20, b
     elif kind == "cancel":
@@ -171,17 +173,32 @@ def test_float64_dots_enclosure_holds_the_exact_sums(pair):
     assert not [i for i in outside(exact, mid, rad) if np.isfinite(rad[i])], f"K = {a.shape[-1]}: outside mid ± rad"
 
 
-def test_a_slice_dropped_is_caught(monkeypatch):
-    """The check above fails where the rest the slices leave is not in the radius."""
-    rng = np.random.default_rng(3)
-    a, b = rng.standard_normal((2, 384)), rng.standard_normal((3, 384)) * np.exp2(rng.integers(-80, 0, (3, 384)))
-    real = exact_sums._slices
+def _cancelling_to_the_last_bits():
+    """A float64 sum of 40 products spread over 2^120, whose last term undoes all but the exact sum's
+    rounding error: the double-double sum keeps about 2^-106 of the terms, which is 2^-53 of what is
+    left."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((1, 40)) * np.exp2(rng.integers(-30, 30, (1, 40))) for _ in range(2))
+    a[0, -1], b[0, -1] = 0.0, 1.0
+    a[0, -1] = -float(exact_sums_of(a, b)[0, 0])
+    return a, b
 
-    def last_slice_dropped(x, beta, count):
-        slices, exponents, rest = real(x, beta, count)
-        return slices[:-1] + [0 * slices[-1]], exponents, rest
 
-    monkeypatch.setattr(exact_sums, "_slices", last_slice_dropped)
+def _underflowing():
+    """Products near 2^-1062, rounded to float64's subnormals with their errors lost."""
+    rng = np.random.default_rng(1)
+    return rng.standard_normal((2, 7)) * 2.0**-530, rng.standard_normal((3, 7)) * 2.0**-532
+
+
+@pytest.mark.parametrize("operands, term", [(_cancelling_to_the_last_bits, "_double_double_factor"),
+                                            (_underflowing, "_UNDERFLOW")])
+def test_each_term_of_the_double_double_radius_is_needed(monkeypatch, operands, term):
+    """The check above holds with the radius, and fails without the term for the sums' roundings (c = 0)
+    or for the products' underflow."""
+    a, b = operands()
+    mid, rad = exact_sums.dots_enclosure(a, b, np.longdouble)
+    assert not outside(exact_sums_of(a, b), mid, rad)
+    monkeypatch.setattr(exact_sums, term, (lambda K: 0.0) if term.startswith("_double") else 0.0)
     mid, rad = exact_sums.dots_enclosure(a, b, np.longdouble)
     assert outside(exact_sums_of(a, b), mid, rad)
 
@@ -246,9 +263,9 @@ def test_every_16_bit_value_widens_exactly(dtype):
         np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
-def test_float64_sums_stay_tight_where_a_row_spans_more_than_its_slices():
-    """A large entry met by a 0 (a masked weight against a huge value) leaves the slices of b's row nothing
-    else to hold: the exact sums take the rows and columns whose radius the slices left loose."""
+def test_float64_sums_stay_tight_where_a_huge_entry_meets_a_zero():
+    """A masked weight against a huge value adds nothing to the radius: the sums stay within 2^-60 of
+    themselves."""
     a = np.array([[0.3, 0.7, 0.0], [0.5, 0.0, 0.5]])
     b = np.array([[0.1, 0.2, 2.0**255], [1.0, -1.0, 3.0]])
     mid, rad = exact_sums.dots_enclosure(a, b, np.longdouble)

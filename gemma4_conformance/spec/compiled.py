@@ -18,6 +18,8 @@ import math
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.extending import intrinsic
 
 jit = numba.njit(cache=True, error_model="numpy")
 
@@ -254,46 +256,97 @@ def sums_of_squares(x, H, margin, squares, rad):
         rad[row] = 2 * n * U * total * margin if n * U <= 0.25 else math.inf
 
 
-_SPLITTER = 134217729.0  # 2^27 + 1: Dekker's, which splits a float64 into two halves of 26 bits
-
-
-@jit
-def _halves(x):
-    """x = big + small exactly, each of at most 26 significant bits (|x| <= 2^995: the product stays finite)."""
-    c = _SPLITTER * x
-    big = c - (c - x)
-    return big, x - big
+@intrinsic
+def _fma(typingctx, x, y, z):
+    """x y + z rounded once: LLVM's fma, the CPU's instruction where it has one, else the C library's
+    (exact either way, only slower).  The one fused operation here: a bound below states it."""
+    def codegen(context, builder, signature, args):
+        double = ir.DoubleType()
+        fma = builder.module.declare_intrinsic("llvm.fma", [double], ir.FunctionType(double, [double] * 3))
+        return builder.call(fma, args)
+    return numba.float64(numba.float64, numba.float64, numba.float64), codegen
 
 
 @jit
 def weighted_sums(p_high, p_low, v, high, low):
     """sum_l (p_high + p_low)[r, l] v[l, d] for p [R, L] as two float64s and v [L, D], into the double-double
-    high + low [R, D]: each p_high v exactly (Dekker's product), summed into high by TwoSum, whose errors,
-    the products' and p_low v go to low.  That is Ogita, Rump and Oishi's Dot2 (Accurate sum and dot
-    product, 2005) and one more term a product: high + low errs by at most gamma_L^2 sum_l |p_l v_l| and
-    L 2^-104 of it for p_low, under 2^-66 of it for L <= 2^20.  Subnormal products and their errors, and
-    a weight whose low half is subnormal (its split loses up to 2^-1075), add at most 2^-1071 (L + sum_l
-    |v_l|) in all.
-    |v| <= 2^995 and p in [0, 1] keep every step finite."""
+    high + low [R, D]: each p_high v exactly (TwoProductFMA, as ``dot_sums``), summed into high by TwoSum,
+    whose errors, the products' and p_low v go to low.  That is Ogita, Rump and Oishi's Dot2 (Accurate sum
+    and dot product, 2005) and one more term a product: high + low errs by at most gamma_L^2 sum_l |p_l
+    v_l| and L 2^-104 of it for p_low, under 2^-66 of it for L <= 2^20.  Subnormal products and their
+    errors add at most 2^-1071 (L + sum_l |v_l|) in all.  |v| <= 2^995 and p in [0, 1] keep every step
+    finite."""
     R, L = p_high.shape
     D = v.shape[1]
-    v_big, v_small = np.empty((L, D)), np.empty((L, D))
-    for l in range(L):
-        for d in range(D):
-            v_big[l, d], v_small[l, d] = _halves(v[l, d])
     for r in range(R):
         for d in range(D):
             high[r, d], low[r, d] = 0.0, 0.0
         for l in range(L):
             a, b = p_high[r, l], p_low[r, l]
-            a_big, a_small = _halves(a)
             for d in range(D):
                 x = v[l, d]
                 product = a * x
-                error = ((a_big * v_big[l, d] - product) + a_big * v_small[l, d] + a_small * v_big[l, d]) \
-                    + a_small * v_small[l, d]
+                error = _fma(a, x, -product)
                 total = high[r, d] + product
                 back = total - high[r, d]
                 rounding = (high[r, d] - (total - back)) + (product - back)
                 high[r, d] = total
                 low[r, d] = low[r, d] + (rounding + error + b * x)
+
+
+DOT_LANES = 16  # the partial sums of one dot product, kept side by side: they fill the CPU's vector lanes
+
+
+@jit
+def dot_sums(a, b, high, low, magnitude, b_sums):
+    """sum_k a[r, k] b[n, k] for float64 a [R, K] and b [N, K] as the double-double high + low [R, N],
+    sum_k |fl(a b)| into magnitude and sum_k |b[n, k]| into b_sums: Ogita, Rump and Oishi's Dot2 (Accurate sum and dot product, 2005) with
+    the products' errors from an FMA (their TwoProductFMA: fl(a b) + fma(a, b, -fl(a b)) = a b exactly),
+    the sums' from TwoSum, both exact; the errors are summed into low.  The K terms go to DOT_LANES
+    partial sums, k mod DOT_LANES, which are then summed in order, the same way, and then the last K mod
+    DOT_LANES terms.  ``spec.exact.dots_enclosure`` bounds the result."""
+    R, K = a.shape
+    N = b.shape[0]
+    lanes_high, lanes_low, lanes_magnitude = np.empty(DOT_LANES), np.empty(DOT_LANES), np.empty(DOT_LANES)
+    full = K - K % DOT_LANES
+    for n in range(N):
+        for j in range(DOT_LANES):
+            lanes_magnitude[j] = 0.0
+        for start in range(0, full, DOT_LANES):
+            for j in range(DOT_LANES):
+                lanes_magnitude[j] = lanes_magnitude[j] + abs(b[n, start + j])
+        total = 0.0
+        for j in range(DOT_LANES):
+            total = total + lanes_magnitude[j]
+        for k in range(full, K):
+            total = total + abs(b[n, k])
+        b_sums[n] = total
+        for r in range(R):
+            for j in range(DOT_LANES):
+                lanes_high[j], lanes_low[j], lanes_magnitude[j] = 0.0, 0.0, 0.0
+            for start in range(0, full, DOT_LANES):
+                for j in range(DOT_LANES):
+                    x, y = a[r, start + j], b[n, start + j]
+                    product = x * y
+                    error = _fma(x, y, -product)
+                    before = lanes_high[j]
+                    total = before + product
+                    back = total - before
+                    lanes_high[j] = total
+                    lanes_low[j] = lanes_low[j] + (((before - (total - back)) + (product - back)) + error)
+                    lanes_magnitude[j] = lanes_magnitude[j] + abs(product)
+            h, l, m = 0.0, 0.0, 0.0
+            for j in range(DOT_LANES):
+                total = h + lanes_high[j]
+                back = total - h
+                l = l + (((h - (total - back)) + (lanes_high[j] - back)) + lanes_low[j])
+                h, m = total, m + lanes_magnitude[j]
+            for k in range(full, K):
+                x, y = a[r, k], b[n, k]
+                product = x * y
+                error = _fma(x, y, -product)
+                total = h + product
+                back = total - h
+                l = l + (((h - (total - back)) + (product - back)) + error)
+                h, m = total, m + abs(product)
+            high[r, n], low[r, n], magnitude[r, n] = h, l, m

@@ -561,27 +561,26 @@ def sums_of_squares(x: np.ndarray) -> np.ndarray:
 # makes T^ inf or nan: rad is inf there.  A zero T^ is an exactly zero sum: rad is 0.
 # float64 operands: their products are not exact in float64, and in long double (u = 2^-64) the bound
 # gamma_K T is a few float64 ULPs of T at K = 3840, which leaves the printed digits of a float64
-# result's largest error to the oracle nearly everywhere.  So they are cut into slices whose products
-# are exact sums in float64 (Ozaki's error-free splitting; Ozaki, Ogita, Oishi and Rump, Numerical
-# Algorithms 59, 2012), ``_sliced_dots_enclosure``:
-# - Slices.  For a row x of a with max |x_k| < 2^e, sigma_i = 1.5 2^(e - i beta + 52) and
-#   x_i = fl(fl(sigma_i + r) - sigma_i), r the rest so far (x at first): |r| <= 2^(e - (i-1) beta - 1)
-#   (i > 1; |x| < 2^e for i = 1) keeps sigma_i + r in sigma_i's binade, whose ULP is
-#   u_i = 2^(e - i beta), so x_i is r rounded to a multiple of u_i, exactly, |x_i| <= 2^beta u_i,
-#   and the new rest r - x_i is exact and at most u_i / 2.  After s slices the rest is at most
-#   2^(e - s beta - 1) per element.  b's rows likewise, with their own beta.
-# - Exact products.  A slice of a times a slice of b sums K products of integers below 2^beta_a and
-#   2^beta_b in magnitude times u_i v_j: with beta_a + beta_b + bitlength(K - 1) <= 53 every partial sum
-#   is an integer below 2^53 times u_i v_j, exact in float64 while u_i v_j >= 2^-1074 and the sum stays
-#   below 2^1023 (else that block of b keeps the exact integer sums).  So BLAS computes each product of
-#   slices exactly, in any order, blocking or use of FMA.
-# - The rest.  a = A + ra and b = B + rb (A, B the sums of the slices): ab = AB + A rb + ra b, and
-#   |A rb| + |ra b| <= max|rb| (sum_k |a_k| + K max|ra|) + max|ra| sum_k |b_k| (the sums of |a| and |b|
-#   in float64 times 1 + K 2^-52, above them).
-# - The sum.  The products AB are added in long double, the smallest first: each addition errs by at
-#   most u |S_t| (S_t the computed partial sum), and their sum, times 1 + 2^-50, bounds it.
-# With slices down to 2^-75 of each row's largest entry, the radius is about u |mid|, as the exact
-# integer sums'.
+# result's largest error to the oracle nearly everywhere.  So each sum is a double-double h + l
+# (``compiled.dot_sums``: every product's and every addition's error kept exactly, by FMA and TwoSum,
+# and summed into l), ``_double_double_dots_enclosure``:
+# - Terms.  fl(a b) + fma(a, b, -fl(a b)) = a b and TwoSum's s + e = x + y exactly (Ogita, Rump and
+#   Oishi, Accurate sum and dot product, 2005, sections 2 and 3), so s = h + sum of the errors.  Each
+#   product's error is at most u |fl(a b)|, each addition's at most u times its partial sum, which is at
+#   most (1 + gamma_n) T: with the K + DOT_LANES additions of the K terms and of the lanes, the errors'
+#   magnitudes sum to at most gamma_n T, n = K + DOT_LANES + 2.
+# - Their sum.  l sums them in a tree in which each passes through at most n additions: it errs by at
+#   most gamma_n of that, so |h + l - s| <= gamma_n^2 T (their Proposition 5.5, with lanes).
+# - T.  m, the computed sum of |fl(a b)| (nonnegative terms, through the same n additions at most), is
+#   at least (1 - gamma_n) sum |fl(a b)|, and |a b| <= (1 + u) |fl(a b)|: T <= (1 + u) m / (1 - gamma_n).
+# - Underflow.  Additions stay exact or within u relative (a subnormal sum is exact), TwoSum stays
+#   exact; a product whose error lies below 2^-1074 loses at most 2^-1075: 2^-1074 K in all, doubled.
+# - Overflow.  Where m <= 2^1000 no product or partial sum overflows; elsewhere (m inf or nan for
+#   a non-finite operand) the exact integer sums take them.
+# - Long double.  h + l is rounded once to long double: u64 |mid| more.
+# So rad = c m + 2^-1073 K + u64 |mid|, c = gamma_n^2 (1 + u) / (1 - gamma_n) rounded up: about
+# u64 |mid| unless T is 2^22 |mid| or more (at K = 15360; more at smaller K), where the exact sums take it
+# (``_LOOSE``).
 
 _BLAS_BLOCK = 1 << 17  # entries of b widened at once: a block stays in the cache for its products
 _ROUNDING = 1 + 2.0**-40  # the roundings of computing rad, each at most u relative
@@ -603,15 +602,15 @@ def _radius_factor(K: int) -> float:
 def dots_enclosure(a: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
     """``sum_k a[..., k] * b[n, k]`` for floating ``a [..., K]`` and ``b [N, K]`` as (mid, rad) in the
     floating type ``work``, |exact - mid| <= rad: for bf16, fp16 and float32 operands float64 matrix
-    products (BLAS, ``products``) and the a-priori bound above, for float64 ones the products of their
-    slices (``_sliced_dots_enclosure``), for mpf ones the exact integer sums of ``dots``.  rad is inf
+    products (BLAS, ``products``) and the a-priori bound above, for float64 ones their double-double
+    sums (``_double_double_dots_enclosure``), for mpf ones the exact integer sums of ``dots``.  rad is inf
     where an operand is not finite."""
     K, N = a.shape[-1], b.shape[0]
     rows = a.reshape(math.prod(a.shape[:-1]), K)
     shape = a.shape[:-1] + (N,)
     if not (_narrow(rows) and _narrow(b)):
         wide = rows.dtype != object and b.dtype != object
-        mid, rad = (_sliced_dots_enclosure if wide else _exact_dots_enclosure)(rows, b, work)
+        mid, rad = (_double_double_dots_enclosure if wide else _exact_dots_enclosure)(rows, b, work)
         return mid.reshape(shape), rad.reshape(shape)
     mid, total, _ = products(rows, b)
     with np.errstate(all="ignore"):
@@ -664,7 +663,8 @@ def products(a: np.ndarray, b: np.ndarray, signed: bool = True) -> tuple[np.ndar
     and b [N, K] of any floating format, by BLAS, through b widened in blocks of rows that stay in the
     cache for all three (widened whole, b would be its size again four times over: 470 MB at 15360 x
     3840); once per b and values of a inside ``sharing``.  For bf16, fp16 and float32 operands the first
-    two are ``dots_enclosure``'s mid and T^."""
+    two are ``dots_enclosure``'s mid and T^; for float64 ones, where ``dots_enclosure`` ran first in the
+    block, its double-double sums' high parts and m (``_double_double_dots_enclosure``)."""
     wide = np.ascontiguousarray(widen(a))
     operands = (b, wide.tobytes(), wide.shape)
     known = None if signed else shared("signed products", operands)
@@ -691,81 +691,49 @@ def _products(wide: np.ndarray, b: np.ndarray, signed: bool):
     return mid, absolute[:-1], absolute[-1]
 
 
-_SLICED_BITS = 75  # each operand's slices reach 2^-75 of its row's largest entry: 11 bits below long double's
-# A radius past this share of |mid| (the slices hold about 4 u |mid|, u = 2^-64) means the slices left out
-# the sum: a row's entries span more than the slices reach, or the sum cancels.  The exact sums take it.
+# A radius past this share of |mid| (the double-double sums hold about u |mid|, u = 2^-64) means the sum
+# cancels far (above): the exact sums take it.
 _LOOSE = 2.0**-56
+_FINITE = 2.0**1000  # m at most this: no product or partial sum of a double-double sum overflows
+_UNDERFLOW = 2.0**-1073  # what a product's underflow may cost a double-double sum, doubled (above)
 
 
-def _slice_widths(K: int) -> tuple[int, int, int, int]:
-    """(beta_a, slices of a, beta_b, slices of b): beta_a + beta_b + bitlength(K - 1) = 53, the wider
-    slices for b (the large operand: fewer passes over it), each reaching _SLICED_BITS."""
-    budget = 53 - max(K - 1, 0).bit_length()
-    beta_b = budget // 2 + 6
-    beta_a = budget - beta_b
-    return beta_a, -(-_SLICED_BITS // beta_a), beta_b, -(-_SLICED_BITS // beta_b)
+def _double_double_factor(K: int) -> float:
+    """c: c m bounds |h + l - s| for a double-double sum of K products (above)."""
+    u = Fraction(1, 2**53)
+    n = K + compiled.DOT_LANES + 2
+    gamma = n * u / (1 - n * u)
+    return math.nextafter(float(gamma**2 * (1 + u) / (1 - gamma)), math.inf) * _ROUNDING
 
 
-def _slices(x: np.ndarray, beta: int, count: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray] | None:
-    """x [M, K] (finite float64) as ``count`` slices (above), with each row's exponent e (max |x| < 2^e)
-    and the bound on its rest, 0 for a row of zeros; None where a sigma would leave float64's normal
-    range."""
-    top = np.abs(x).max(axis=1, initial=0.0)
-    e = np.frexp(top)[1].astype(np.int64)
-    if len(e) and (e.max() - beta + 52 > 1022 or e.min() - count * beta + 52 < -1021):
-        return None
-    out, rest = [], x
-    for i in range(1, count + 1):
-        sigma = np.ldexp(1.5, e - i * beta + 52)[:, None]
-        part = (sigma + rest) - sigma
-        rest = rest - part
-        out.append(part)
-    return out, e, np.where(top > 0, np.ldexp(1.0, e - count * beta - 1), 0.0)
-
-
-def _sliced_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
-    """``dots_enclosure`` for float64 operands by BLAS on their slices (above); blocks of b it cannot
-    take (a non-finite entry, slices past float64's range), and the rows and columns where the slices
-    leave too much (``_LOOSE``), keep the exact integer sums."""
+def _double_double_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
+    """``dots_enclosure`` for float64 operands from their double-double sums (above); where a sum may
+    overflow, an operand is not finite, or the sum cancels too far for the radius (``_LOOSE``), the
+    rows and columns it is in keep the exact integer sums.  Inside ``sharing`` the sums' high parts, m
+    and the row sums of |b| are what ``products`` gives for these operands: the error models read them
+    instead of computing float64 BLAS products again."""
     K, N, R = rows.shape[-1], b.shape[0], rows.shape[0]
-    rows = widen(rows)
-    beta_a, count_a, beta_b, count_b = _slice_widths(K)
-    sliced = _slices(rows, beta_a, count_a) if np.isfinite(rows).all() else None
-    if sliced is None:
-        return _exact_dots_enclosure(rows, b, work)
-    parts, e_a, rest_a = sliced
-    stacked = np.concatenate(parts)  # [count_a R, K]: one product per slice of b
-    size_a = np.abs(rows).sum(axis=1) * (1 + K * 2.0**-52) + K * rest_a  # sum_k |A_k| bounded above
-    mid, rad = np.empty((R, N), dtype=work), np.empty((R, N), dtype=work)
+    rows = np.ascontiguousarray(widen(rows))
+    high, low, magnitude, sums = np.empty((R, N)), np.empty((R, N)), np.empty((R, N)), np.empty(N)
+    step = N if b.dtype == np.float64 else max(1, _BLAS_BLOCK // max(K, 1))  # narrow b widened a block at once
+    for start in range(0, N, step):
+        columns = slice(start, start + step)
+        compiled.dot_sums(rows, np.ascontiguousarray(widen(b[columns])), high[:, columns], low[:, columns],
+                          magnitude[:, columns], sums[columns])
     u = np.longdouble(np.finfo(np.longdouble).eps) / 2
-    step = max(1, _BLAS_BLOCK // max(K, 1))
-    with one_blas_thread(), np.errstate(over="ignore", invalid="ignore"):
-        for start in range(0, N, step):
-            block = widen(b[start:start + step])
-            columns = slice(start, start + len(block))
-            sliced = _slices(block, beta_b, count_b) if np.isfinite(block).all() else None
-            if sliced is None or e_a.max(initial=0) + sliced[1].max(initial=0) - beta_a - beta_b + 53 > 1022 or \
-                    e_a.min(initial=0) + sliced[1].min(initial=0) - count_a * beta_a - count_b * beta_b < -1074:
-                mid[:, columns], rad[:, columns] = _exact_dots_enclosure(rows, block, work)
-                continue
-            slices_b, _, rest_b = sliced
-            exact_products = [stacked @ part.T for part in slices_b]  # [count_a R, block] each
-            total = np.zeros((R, len(block)), dtype=np.longdouble)
-            drift = np.zeros_like(total)
-            for i, j in sorted(np.ndindex(count_a, count_b), key=sum, reverse=True):  # the smallest first
-                total += exact_products[j][i * R:(i + 1) * R]
-                drift += np.abs(total)
-            rest = rest_b[None, :] * size_a[:, None] + rest_a[:, None] * (np.abs(block).sum(axis=1) * (1 + K * 2.0**-52))
-            bound = (u * drift + rest.astype(np.longdouble)) * np.longdouble(1 + 2.0**-50)
-            narrowed = total.astype(work)
-            mid[:, columns] = narrowed
-            rad[:, columns] = ((bound + np.abs(total - narrowed.astype(np.longdouble))) *
-                               np.longdouble(1 + 2.0**-50)).astype(work)
-            loose = ~(rad[:, columns] <= _LOOSE * np.abs(mid[:, columns]))
-            if loose.any():  # the rows' and columns' exact integer sums, where the slices left too much
-                inner, outer = np.flatnonzero(loose.any(axis=1)), np.flatnonzero(loose.any(axis=0))
-                part = np.ix_(inner, start + outer)
-                mid[part], rad[part] = _exact_dots_enclosure(rows[inner], block[outer], work)
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = high.astype(np.longdouble) + low
+        mid = total.astype(work)
+        bound = (np.longdouble(_double_double_factor(K)) * magnitude + np.longdouble(_UNDERFLOW * K) +
+                 u * np.abs(total)) * np.longdouble(1 + 2.0**-50)
+        rad = np.where(magnitude <= _FINITE, (bound + np.abs(total - mid.astype(np.longdouble))) *
+                       np.longdouble(1 + 2.0**-50), np.inf).astype(work)
+        loose = ~(rad <= _LOOSE * np.abs(mid))
+    if loose.any():  # the rows' and columns' exact integer sums
+        inner, outer = np.flatnonzero(loose.any(axis=1)), np.flatnonzero(loose.any(axis=0))
+        part = np.ix_(inner, outer)
+        mid[part], rad[part] = _exact_dots_enclosure(rows[inner], widen(b[outer]), work)
+    shared("signed products", (b, rows.tobytes(), rows.shape), lambda: (high, magnitude, sums))
     return mid, rad
 
 
