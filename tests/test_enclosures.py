@@ -168,7 +168,8 @@ def test_attention_bounds_in_long_double_from_float64_products_are_upper_bounds(
     w = enclosures._Work(np.longdouble)
     a = (rng.random((3, L)).astype(np.longdouble) * np.longdouble(2.0) ** binade) * (1 + np.longdouble(2.0) ** -60)
     b = np.abs(rng.standard_normal((L, D))) * 2.0 ** rng.integers(-40, 40)
-    upper, a, b = (as_mpf(x) for x in (enclosures._upper_products(w, a, b), a, b))
+    total = b.sum(axis=0) * (1 + L * 2.0**-52)  # above b's column sums, as attention gives it
+    upper, a, b = (as_mpf(x) for x in (enclosures._upper_products(w, a, b, total), a, b))
     with mpmath.workprec(4000):
         for i, j in np.ndindex(upper.shape):
             assert upper[i, j] >= mpmath.fsum(a[i, l] * b[l, j] for l in range(L)), (i, j)
@@ -187,7 +188,7 @@ def test_attention_weighted_sums_in_long_double_hold_their_bound(L, D, p_binade,
     v = rng.standard_normal((L, D)) * 2.0 ** min(v_binade, 1020)
     if cancel:  # each value's negation too: the sums cancel to their rounding errors
         v[L // 2:2 * (L // 2)] = -v[:L // 2]
-    out, underflow = enclosures._weighted_sums(w, p, v.astype(np.longdouble), v)
+    out, underflow = enclosures._weighted_sums(w, p, v, np.abs(v).sum(axis=0) * (1 + L * 2.0**-52))
     out, p_exact, v_exact = as_mpf(out), as_mpf(p), as_mpf(v)
     with mpmath.workprec(4000):
         for s, g, d in np.ndindex(out.shape):

@@ -425,50 +425,52 @@ def softmax(s, visible, *, work):
     return p, np.where(visible, w.rad(p, rel, 2 * w.tiny), 0).astype(w.type)
 
 
-def _upper_products(w: _Work, a, b):
-    """a @ b for nonnegative a [..., L] and b [L, D] in ``work`` by float64 BLAS.  In float64 the product
-    itself: its roundings, (L + 1) u relative, sit inside the radius's MARGIN, as every radius's own
-    roundings do.  In long double (whose matrix products are numpy's own loops, not BLAS) an upper bound:
-    widening ``a`` rounds it up; each product and sum of nonnegatives then loses at most u64 relative,
-    (L + 1) u64 in all in any order, and a value or product that underflows in float64 less than 2^-1074
-    each, 2^-1073 (L + sum |b|) in all: the sum plus that, times 1 + 2 (L + 4) u64 (which holds its own
-    two roundings), is above."""
+def _upper_products(w: _Work, a, b, b_total):
+    """a @ b for nonnegative a [..., L] and float64 b [L, D] in ``work`` by float64 BLAS, ``b_total`` at
+    least b's column sums.  In float64 the product itself: its roundings, (L + 1) u relative, sit inside
+    the radius's MARGIN, as every radius's own roundings do.  In long double (whose matrix products are
+    numpy's own loops, not BLAS) an upper bound: widening ``a`` rounds it up; each product and sum of
+    nonnegatives then loses at most u64 relative, (L + 1) u64 in all in any order, and a value or
+    product that underflows in float64 less than 2^-1074 each, 2^-1073 (L + sum |b|) in all: the sum
+    plus that, times 1 + 2 (L + 4) u64 (which holds its own two roundings), is above."""
     if w.type is np.float64:
         return a @ b
     wide = a.astype(np.float64)
     wide = np.where(wide.astype(w.type) < a, np.nextafter(wide, np.inf), wide)
     L = a.shape[-1]
-    lost = 2.0**-1073 * (L + b.sum(axis=0))
-    return ((wide @ b.astype(np.float64) + lost) * (1 + (L + 4) * 2.0**-52)).astype(w.type)
+    return ((wide @ b + 2.0**-1073 * (L + b_total)) * (1 + (L + 4) * 2.0**-52)).astype(w.type)
 
 
-def _weighted_sums(w: _Work, p, values, wide):
-    """p @ values in ``work`` (p [S, G, L] in it, values [L, D] in it and in float64 ``wide``) and what it
-    adds to the radius beyond L u sum_l p_l |v_l|.  In long double: the double-double sums of
-    ``compiled.weighted_sums`` (p split exactly into two float64s), rounded once to long double, err by at
-    most u |p @ v| + 2^-66 sum_l p_l |v_l|, inside (L + 2) u sum_l p_l |v_l|; their underflow adds
-    2^-1071 (L + sum_l |v_l|).  numpy's long double matrix product (no BLAS) remains where a value is past
-    2^995 (or not finite), where the splits would overflow."""
-    if w.type is np.float64 or not (np.abs(wide) <= 2.0**995).all():
-        return p @ values, 0.0
+def _weighted_sums(w: _Work, p, values, values_total):
+    """p @ values in ``work`` (p [S, G, L] in it, values [L, D] in float64, ``values_total`` at least the
+    column sums of |values|) and what it adds to the radius beyond L u sum_l p_l |v_l|.  In long double:
+    the double-double sums of ``compiled.weighted_sums`` (p split exactly into two float64s), rounded
+    once to long double, err by at most u |p @ v| + 2^-66 sum_l p_l |v_l|, inside (L + 2) u sum_l p_l
+    |v_l|; their underflow adds 2^-1071 (L + sum_l |v_l|).  numpy's long double matrix product (no BLAS)
+    remains where a value is past 2^995 (or not finite), where the double-double sums could overflow."""
+    if w.type is np.float64 or not np.abs(values).max(initial=0.0) <= 2.0**995:
+        return p @ values.astype(w.type, copy=False), 0.0
     S, G, L = p.shape
     high = p.astype(np.float64)
     low = (p - high).astype(np.float64)
     out_high, out_low = np.empty((S * G, values.shape[1])), np.empty((S * G, values.shape[1]))
-    compiled.weighted_sums(high.reshape(-1, L), low.reshape(-1, L), np.ascontiguousarray(wide), out_high, out_low)
+    compiled.weighted_sums(high.reshape(-1, L), low.reshape(-1, L), np.ascontiguousarray(values), out_high,
+                           out_low)
     out = (out_high.astype(w.type) + out_low.astype(w.type)).reshape(S, G, -1)
-    return out, 2.0**-1071 * (L + np.abs(wide).sum(axis=0))
+    return out, 2.0**-1071 * (L + values_total)
 
 
 def _gqa(scale, visible, q, k, v, work):
     """Softmax of the logits' enclosure (``dots_enclosure`` times scale, one more rounding) and the weighted
     sum of values in ``work`` (``_weighted_sums``): its error is at most L u sum_l p_l |v_l| in any order
     (gamma_L), plus each weight's relative error times p_l |v_l| (those two sums bounded above by
-    ``_upper_products``)."""
+    ``_upper_products``).  Keys no query sees weigh exactly 0: they are left out, and L counts the rest."""
     w = _Work(work)
     scale = w.real(scale)
+    seen = visible.any(axis=0)
+    if not seen.all():
+        k, v, visible = k[seen], v[seen], visible[:, seen]
     wide = widened(np.asarray(v))
-    vw = wide.astype(w.type, copy=False)
     out = np.empty(q.shape, dtype=w.type)
     rad = np.empty(q.shape, dtype=w.type)
     L = k.shape[0]
@@ -478,12 +480,13 @@ def _gqa(scale, visible, q, k, v, work):
         logits = scale * dot
         logits_rad = abs(scale) * dot_rad + w.u * np.abs(logits)
         p, rel = _softmax(w, logits, logits_rad, mask)
-        values = vw[:, c]
-        out[:, c], underflow = _weighted_sums(w, p, values, wide[:, c])
-        weight_error = _upper_products(w, rel * p, np.abs(values))
-        magnitude = _upper_products(w, p, np.abs(values))
-        rad[:, c] = weight_error + (L + 2) * w.u * magnitude + 2 * w.tiny * (1 + np.abs(values).sum(axis=0)) \
-            + underflow
+        values = wide[:, c]
+        magnitudes = np.abs(values)
+        total = magnitudes.sum(axis=0) * (1 + L * 2.0**-52)  # above sum_l |v_l|
+        out[:, c], underflow = _weighted_sums(w, p, values, total)
+        weight_error = _upper_products(w, rel * p, magnitudes, total)
+        magnitude = _upper_products(w, p, magnitudes, total)
+        rad[:, c] = weight_error + (L + 2) * w.u * magnitude + 2 * w.tiny * (1 + total) + underflow
     return out, w.rad(out, 0.0, rad)
 
 
