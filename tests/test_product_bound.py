@@ -224,6 +224,23 @@ def test_shared_products_are_computed_once_per_weight_and_operand():
     np.testing.assert_array_equal(alone[2], np.abs(W.astype(np.float64)).sum(axis=1))
 
 
+def test_float64_products_inside_sharing_are_the_enclosures_sums():
+    """For float64 operands the error models' products are the enclosure's double-double sums: rounded to
+    float64 (the exact sums to within an ULP), the sums of |fl(a b)| and the row sums of |W|, not a
+    second pass over W."""
+    rng = np.random.default_rng(2)
+    a, W = rng.standard_normal((2, 300)), rng.standard_normal((5, 300))
+    with exact_sums.sharing():
+        exact_sums.dots_enclosure(a, W, np.longdouble)
+        logits, dots, sums = exact_sums.products(a, W)
+        assert exact_sums.products(a, W, signed=False)[1] is dots
+    with mpmath.workprec(128):
+        exact = np.array([[float(x) for x in row] for row in exact_sums_of(a, W)])
+    assert (np.abs(logits - exact) <= np.spacing(np.abs(exact))).all()
+    np.testing.assert_allclose(dots, np.abs(a) @ np.abs(W).T, rtol=1e-13)
+    np.testing.assert_allclose(sums, np.abs(W).sum(axis=1), rtol=1e-14)
+
+
 def test_unsigned_products_are_not_served_to_a_signed_call_but_signed_ones_to_an_unsigned():
     rng = np.random.default_rng(1)
     W, V, a = rng.standard_normal((3, 4)), rng.standard_normal((3, 4)), rng.standard_normal((2, 4))

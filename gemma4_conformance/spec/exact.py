@@ -664,7 +664,7 @@ def products(a: np.ndarray, b: np.ndarray, signed: bool = True) -> tuple[np.ndar
     cache for all three (widened whole, b would be its size again four times over: 470 MB at 15360 x
     3840); once per b and values of a inside ``sharing``.  For bf16, fp16 and float32 operands the first
     two are ``dots_enclosure``'s mid and T^; for float64 ones, where ``dots_enclosure`` ran first in the
-    block, its double-double sums' high parts and m (``_double_double_dots_enclosure``)."""
+    block, its double-double sums rounded to float64 and m (``_double_double_dots_enclosure``)."""
     wide = np.ascontiguousarray(widen(a))
     operands = (b, wide.tobytes(), wide.shape)
     known = None if signed else shared("signed products", operands)
@@ -709,9 +709,9 @@ def _double_double_factor(K: int) -> float:
 def _double_double_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
     """``dots_enclosure`` for float64 operands from their double-double sums (above); where a sum may
     overflow, an operand is not finite, or the sum cancels too far for the radius (``_LOOSE``), the
-    rows and columns it is in keep the exact integer sums.  Inside ``sharing`` the sums' high parts, m
-    and the row sums of |b| are what ``products`` gives for these operands: the error models read them
-    instead of computing float64 BLAS products again."""
+    rows and columns it is in keep the exact integer sums.  Inside ``sharing`` the sums rounded to
+    float64, m and the row sums of |b| are what ``products`` gives for these operands: the error models
+    read them instead of computing float64 BLAS products again."""
     K, N, R = rows.shape[-1], b.shape[0], rows.shape[0]
     rows = np.ascontiguousarray(widen(rows))
     high, low, magnitude, sums = np.empty((R, N)), np.empty((R, N)), np.empty((R, N)), np.empty(N)
@@ -733,7 +733,7 @@ def _double_double_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tupl
         inner, outer = np.flatnonzero(loose.any(axis=1)), np.flatnonzero(loose.any(axis=0))
         part = np.ix_(inner, outer)
         mid[part], rad[part] = _exact_dots_enclosure(rows[inner], widen(b[outer]), work)
-    shared("signed products", (b, rows.tobytes(), rows.shape), lambda: (high, magnitude, sums))
+    shared("signed products", (b, rows.tobytes(), rows.shape), lambda: (high + low, magnitude, sums))
     return mid, rad
 
 
