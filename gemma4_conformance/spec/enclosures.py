@@ -468,7 +468,7 @@ def _gqa(scale, visible, q, k, v, work):
     w = _Work(work)
     scale = w.real(scale)
     seen = visible.any(axis=0)
-    if not seen.all():
+    if seen.any() and not seen.all():  # where none is seen, every row is masked whole: nothing to leave out
         k, v, visible = k[seen], v[seen], visible[:, seen]
     wide = widened(np.asarray(v))
     out = np.empty(q.shape, dtype=w.type)

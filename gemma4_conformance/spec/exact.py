@@ -715,7 +715,7 @@ def _double_double_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tupl
     K, N, R = rows.shape[-1], b.shape[0], rows.shape[0]
     rows = np.ascontiguousarray(widen(rows))
     high, low, magnitude, sums = np.empty((R, N)), np.empty((R, N)), np.empty((R, N)), np.empty(N)
-    step = N if b.dtype == np.float64 else max(1, _BLAS_BLOCK // max(K, 1))  # narrow b widened a block at once
+    step = max(N, 1) if b.dtype == np.float64 else max(1, _BLAS_BLOCK // max(K, 1))  # narrow b: a block at once
     for start in range(0, N, step):
         columns = slice(start, start + step)
         compiled.dot_sums(rows, np.ascontiguousarray(widen(b[columns])), high[:, columns], low[:, columns],
