@@ -231,9 +231,13 @@ def test_float64_products_inside_sharing_are_the_enclosures_sums():
     rng = np.random.default_rng(2)
     a, W = rng.standard_normal((2, 300)), rng.standard_normal((5, 300))
     with exact_sums.sharing():
+        key = (W, a.tobytes(), a.shape)
+        assert exact_sums.shared("signed products", key) is None
         exact_sums.dots_enclosure(a, W, np.longdouble)
-        logits, dots, sums = exact_sums.products(a, W)
-        assert exact_sums.products(a, W, signed=False)[1] is dots
+        registered = exact_sums.shared("signed products", key)  # what the enclosure left, not computed here
+        assert registered is not None
+        assert exact_sums.products(a, W) is registered and exact_sums.products(a, W, signed=False) is registered
+        logits, dots, sums = registered
     with mpmath.workprec(128):
         exact = np.array([[float(x) for x in row] for row in exact_sums_of(a, W)])
     assert (np.abs(logits - exact) <= np.spacing(np.abs(exact))).all()

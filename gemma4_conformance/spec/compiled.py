@@ -300,9 +300,10 @@ DOT_LANES = 16  # the partial sums of one dot product, kept side by side: they f
 @jit
 def dot_sums(a, b, high, low, magnitude, b_sums):
     """sum_k a[r, k] b[n, k] for float64 a [R, K] and b [N, K] as the double-double high + low [R, N],
-    sum_k |fl(a b)| into magnitude and sum_k |b[n, k]| into b_sums: Ogita, Rump and Oishi's Dot2 (Accurate sum and dot product, 2005) with
-    the products' errors from an FMA (their TwoProductFMA: fl(a b) + fma(a, b, -fl(a b)) = a b exactly),
-    the sums' from TwoSum, both exact; the errors are summed into low.  The K terms go to DOT_LANES
+    sum_k |fl(a b)| into magnitude and sum_k |b[n, k]| into b_sums: Ogita, Rump and Oishi's Dot2
+    (Accurate sum and dot product, 2005) with the products' errors from an FMA (their TwoProductFMA:
+    fl(a b) + fma(a, b, -fl(a b)) = a b exactly), the sums' from TwoSum, both exact; the errors are
+    summed into low.  The K terms go to DOT_LANES
     partial sums, k mod DOT_LANES, which are then summed in order, the same way, and then the last K mod
     DOT_LANES terms.  ``spec.exact.dots_enclosure`` bounds the result."""
     R, K = a.shape
