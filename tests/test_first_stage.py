@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from gemma4_conformance import adapters, spec
 from gemma4_conformance.adapters.contract import call
+from gemma4_conformance.properties import judging
 from gemma4_conformance.properties.judging import assess, correctly_rounded, printed
-from gemma4_conformance.properties.table import OPS, build, cases, edge_cases
+from gemma4_conformance.properties.table import OPS, build, cases, edge_cases, real_size_cases
 from gemma4_conformance.spec import format_of, round_to
+from gemma4_conformance.spec.exact import sharing
 
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 
@@ -112,3 +114,44 @@ def test_oracle_rounds_once_at_the_smallest_subnormal(op):
     exact = np.asarray(spec.ORACLES[op](_bf16([s])), dtype=object)
     _, rounded = correctly_rounded(OPS[op].oracle, (_bf16([s]),), exact, "bfloat16")
     assert float(rounded[0]) == s
+
+
+ROW_WISE = sorted(name for name, entry in OPS.items() if entry.row_wise and entry.enclosure is not None)
+
+
+@pytest.mark.parametrize("op", ROW_WISE)
+def test_blocks_give_the_whole_outputs_verdict(op, monkeypatch):
+    """A row-wise op judged a few rows at a time (``judging._judged_in_blocks``, here in blocks of 64
+    outputs) gives the verdict of the whole output's arrays, every element's error the same number, and
+    leaves to them every output it cannot settle.  It settles the real-size draws: the shortcut is taken."""
+    monkeypatch.setattr(judging, "BLOCK", 64)
+    adapter = adapters.load("numpy")
+    entry, taken = OPS[op], 0
+    for dtype in DTYPES[:3]:
+        def judged(case):
+            nonlocal taken
+            args = build(op, case, dtype)
+            for out in _outputs(op, args, dtype, call(adapter, op, args, dtype)):
+                got = np.asarray(out)
+                with sharing():
+                    blocks = judging._judged_in_blocks(entry, args, got, dtype)
+                    whole, undecided = judging._judge(entry, args, got, dtype, (Ellipsis,),
+                                                      judging._enclosed(entry, args, dtype, got))
+                if blocks is None:
+                    continue
+                taken += 1
+                assert whole.passed and not undecided.any() and not whole.contenders.any(), (op, dtype)
+                assert blocks.admitted == whole.admitted and blocks.budget == whole.budget, (op, dtype)
+                np.testing.assert_array_equal(blocks.errors, whole.errors)
+
+        for case in edge_cases(op)[:2] + real_size_cases(op)[:1]:
+            judged(case)
+
+        @settings(max_examples=3, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.data())
+        def drawn(data):
+            judged(data.draw(cases(op, dtype)))
+
+        drawn()
+    assert taken, op

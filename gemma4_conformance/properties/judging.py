@@ -16,10 +16,11 @@ from gemma4_conformance.adapters import declared_formats
 from gemma4_conformance.adapters.contract import call
 from gemma4_conformance.checkpoints.quantized import WEIGHT_FORMATS, QuantizedWeight
 from gemma4_conformance.spec import CONTRACT, enclosures, format_of, get_precision, precision, round_to, scale_ulp
+from gemma4_conformance.spec.compiled import nan_max
 from gemma4_conformance.spec.exact import one_blas_thread, shared, sharing, widen, widened
 from gemma4_conformance.spec.formats import abs_error
 
-from . import decision
+from . import decision, table
 from .budget import budget
 from .error_models import visible_sums
 from .table import OPS, ORACLE_WORK, WEIGHTS, build, held_block
@@ -233,6 +234,10 @@ def _assess(entry, args, out, dtype, seed, work, first_stage, fallback, declared
     op = entry.name
     sub_args, index = entry.sample(op, args, np.random.default_rng(seed), work)
     got = np.asarray(out[index])
+    if first_stage and declared is None and entry.row_wise and entry.enclosure is not None:
+        settled = _judged_in_blocks(entry, sub_args, got, dtype)
+        if settled is not None:
+            return settled
     stage = _enclosed(entry, sub_args, dtype, got) if first_stage and entry.enclosure is not None else None
     if declared is not None:
         declared = declared[0], *(np.asarray(part)[index] for part in declared[1:])
@@ -286,6 +291,78 @@ def _failure_from_restriction(verdict_of, entry, args, got, dtype, index, stage,
         if verdict.passed:
             return None
     return None
+
+
+BLOCK = 1 << 15  # output elements a row-wise op's judging holds at a time: its arrays stay in the CPU's cache
+
+
+def _judged_in_blocks(entry, args, got, dtype) -> Verdict | None:
+    """``_judge``'s verdict on a row-wise op's output from its enclosure, made ``BLOCK`` outputs at a
+    time (the enclosure, the error model and ``decision.verdict_units`` on each block's rows, in arrays
+    that stay in the cache; the whole output's are never made), where the verdict needs no more: every
+    output finite, every element decided within its budget, none at a zero scale, the largest error's
+    printed digits and the trivial answers (zeros, the sign flipped) settled.  None otherwise, and where
+    the enclosure works in long double: the whole output's judging decides, from the start.  The blocks'
+    results fold as the loop's over the whole output would (a sum, maxima, the first element over its
+    budget, and and or), element by element the same numbers."""
+    if enclosures.work_type(format_of(dtype).precision) is not np.float64:
+        return None
+    _, _, allowed, constants = _allowance(entry, args, dtype)
+    _, lead = CONTRACT[entry.name].bind(*args)
+    rows = int(np.prod(lead, dtype=np.int64))
+    per_row = got.size // rows if rows else 1
+    outputs = got.reshape(rows, per_row)
+    ulps, undecided = np.empty(got.size), np.empty(got.size, dtype=bool)
+    not_finite, uncertain, least, most = 0, False, -np.inf, -np.inf
+    zeros, flipped = (True, True, False), (True, True, False)
+    for start, stop, part in table.row_blocks(entry.name, args, max(1, BLOCK // max(per_row, 1))):
+        with sharing(apart=True), np.errstate(all="ignore"):
+            got64 = widen(outputs[start:stop])
+            if not np.isfinite(got64).all():
+                return None
+            try:
+                mid, rad = entry.enclosure(*part, work=np.float64)
+            except enclosures.NotEnclosed:
+                return None
+            exact64 = np.asarray(mid, dtype=np.float64).reshape((stop - start,) + got.shape[len(lead):])
+            scale, absolute = entry.scale(tuple(a if name in WEIGHTS else widened(a)
+                                                for a, name in zip(part, CONTRACT[entry.name].arg_names)),
+                                          exact64, dtype)
+            scale = np.broadcast_to(scale, exact64.shape)
+            absolute = np.full(1, absolute) if np.ndim(absolute) == 0 else np.broadcast_to(absolute, exact64.shape)
+            block = slice(start * per_row, stop * per_row)
+            (block_not_finite, zero_first, worst, block_least, block_most, block_uncertain, block_zeros,
+             block_flipped) = decision.verdict_units(_flat(got64), _flat(exact64), _flat(rad), *(np.zeros(0),) * 3,
+                                                     _flat(scale), _flat(absolute), *(np.zeros(0, dtype=bool),) * 2,
+                                                     *constants, ulps[block], np.zeros(0), undecided[block])
+        if zero_first >= 0 or worst >= 0 or undecided[block].any():
+            return None
+        not_finite += block_not_finite
+        uncertain |= block_uncertain
+        least, most = nan_max(least, block_least), nan_max(most, block_most)
+        zeros = (zeros[0] and block_zeros[0], zeros[1] and block_zeros[1], zeros[2] or block_zeros[2])
+        flipped = (flipped[0] and block_flipped[0], flipped[1] and block_flipped[1], flipped[2] or block_flipped[2])
+    if uncertain and printed(least) != printed(most):
+        return None
+    admitted = []
+    for name, (admits, surely, surely_not) in (("zeros", zeros), ("the sign flipped", flipped)):
+        if uncertain and not (surely if admits else surely_not):
+            return None
+        if admits:
+            admitted.append(name)
+    errors = ulps[np.isfinite(ulps)] if not_finite else ulps
+    return Verdict(entry.name, dtype, allowed, errors, [], None, admitted, checked=got.size)
+
+
+def _allowance(entry, args, dtype):
+    """(the op's budget, its quantities, the ULPs it allows on ``args``, ``decision.verdict_units``'
+    constants)."""
+    dims, _ = CONTRACT[entry.name].bind(*args)
+    b = budget(entry.name, dtype)
+    quantities = {**dims, **entry.quantities(args)}
+    allowed = b.ulps(**quantities)
+    f = format_of(dtype)
+    return b, quantities, allowed, (float(allowed), f.precision, f.emin, float(f.max_finite), _SLACK)
 
 
 class _Stage:
@@ -452,10 +529,7 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
     scale, absolute = (np.broadcast_to(a, got.shape) for a in (scale, absolute))
     flat_absolute = _flat(absolute) if flat_absolute is None else flat_absolute
 
-    dims, _ = CONTRACT[op].bind(*args)
-    b = budget(op, dtype)
-    quantities = {**dims, **entry.quantities(args)}
-    allowed = b.ulps(**quantities)
+    b, quantities, allowed, constants = _allowance(entry, args, dtype)
     f = format_of(dtype)
 
     got64 = widen(got)
@@ -488,7 +562,6 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
                             f"{float(expected[overflow][0])!r} in {dtype}")
         right_inf, undecided_in = right_inf.reshape(-1), undecided_in.reshape(-1)
     flat_scale = _flat(scale)
-    constants = (float(allowed), f.precision, f.emin, float(f.max_finite), _SLACK)
     if stage.enclosure is not None:
         _, mid, mid_rad = stage.enclosure
         knowledge = (_flat(mid), _flat(mid_rad), *(np.zeros(0),) * 3)

@@ -52,25 +52,43 @@ def rows(per_row: Callable[[tuple], float]):
     def sample(op, args, rng, work=ORACLE_WORK):
         _, lead = spec.CONTRACT[op].bind(*args)
         n = int(np.prod(lead, dtype=np.int64))
-        return _rows(op, args, _pick(rng, n, int(work // max(1, per_row(args)))))
+        keep = int(work // max(1, per_row(args)))
+        return (args, (Ellipsis,)) if keep >= n else _rows(op, args, _pick(rng, n, keep))
 
     return sample
 
 
 def _rows(op, args, keep):
-    contract = spec.CONTRACT[op]
-    _, lead = contract.bind(*args)
+    _, lead = spec.CONTRACT[op].bind(*args)
     n = int(np.prod(lead, dtype=np.int64))
     if len(keep) == n:
         return args, (Ellipsis,)
+    index = np.unravel_index(keep, lead) if lead else ()
+    return _row_args(op, args, keep), tuple(index)
+
+
+def _row_args(op, args, rows) -> tuple:
+    """The arguments of a row-wise op for ``rows`` (indices or a slice) of its leading axes, flattened."""
+    contract = spec.CONTRACT[op]
+    _, lead = contract.bind(*args)
+    n = int(np.prod(lead, dtype=np.int64))
     sub = []
     for a, value in zip(contract.args, args):
         if a.kind in ("float", "index", "mask") and a.shape.startswith("..."):
             value = np.asarray(value)
-            value = value.reshape((n,) + value.shape[len(lead):])[keep]
+            value = value.reshape((n,) + value.shape[len(lead):])[rows]
         sub.append(value)
-    index = np.unravel_index(keep, lead) if lead else ()
-    return tuple(sub), tuple(index)
+    return tuple(sub)
+
+
+def row_blocks(op, args, step: int):
+    """(first row, end row, the arguments of those rows) of a row-wise op, ``step`` rows at a time (the
+    leading axes flattened; each block's arrays are views of the arguments)."""
+    _, lead = spec.CONTRACT[op].bind(*args)
+    n = int(np.prod(lead, dtype=np.int64))
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        yield start, stop, _row_args(op, args, slice(start, stop))
 
 
 def restrict_rows(op, args, mask):
@@ -246,6 +264,11 @@ class OpEntry:
     # sequence's reference certifies its calls beyond those of the forward test; every other op acts on
     # each token alone, with the weights and shapes per token that test certifies.
     long_context: bool = False
+
+    @property
+    def row_wise(self) -> bool:
+        """Each output row depends on its own rows of the arguments alone (``row_blocks`` splits it)."""
+        return self.restrict is restrict_rows
 
     @property
     def prefill(self) -> bool:

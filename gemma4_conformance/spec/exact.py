@@ -622,11 +622,13 @@ _shared: dict | None = None  # results computed once inside ``sharing``: key -> 
 
 
 @contextlib.contextmanager
-def sharing():
+def sharing(apart: bool = False):
     """Inside this block ``shared`` computes each result once: the judging opens one per assessment, whose
-    enclosure and error models read the same products of a weight and the same softmax."""
+    enclosure and error models read the same products of a weight and the same softmax.  Nested, it
+    shares the outer block's results, or, ``apart``, keeps its own (a block of an output judged a part at a
+    time: kept to the end, the parts' results would add up to the whole output's)."""
     global _shared
-    outer, _shared = _shared, {} if _shared is None else _shared
+    outer, _shared = _shared, {} if _shared is None or apart else _shared
     try:
         yield
     finally:
