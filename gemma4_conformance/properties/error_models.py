@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ml_dtypes
+import numba
 import numpy as np
 
 from gemma4_conformance import spec
@@ -59,11 +60,21 @@ def tiny_accumulated(dtype) -> float:
 
 
 def product_flush(dtype, *factors):
-    """prod(1 + |f_i|) * 2^emin: the most a product computed in any order loses to flushed partials."""
+    """prod(1 + |f_i|) * 2^emin: the most a product computed in any order loses to flushed partials
+    (one pass per factor, in place where the factor adds no axis)."""
     out = tiny(dtype)
     for f in factors:
-        out = out * (1 + np.abs(f))
+        if isinstance(out, np.ndarray) and out.shape == np.broadcast_shapes(out.shape, np.shape(f)):
+            _times_one_plus_abs(out, f, out=out)
+        else:
+            out = _times_one_plus_abs(out, f)
     return out
+
+
+@numba.vectorize(["float64(float64, float64)"], cache=True)
+def _times_one_plus_abs(a, f):
+    """a (1 + |f|), rounded as numpy rounds it in two steps, in one pass."""
+    return a * (1 + abs(f))
 
 
 def exact_magnitude(args, exact, dtype):
@@ -87,15 +98,21 @@ def _gelu_absolute(x, up, eps_accumulation, tau_plus_one, tiny_d, out):
     what GELU's steps in A cost in units of u_A.  t takes seven roundings relative to |t| (x^2, x^3, the
     two constants, their product, the sum, the factor), each moving y by |x|/2 |t| sech^2 t; tanh t
     errs by TAU and rounds once, relative to |tanh t|, before 1 + tanh t cancels (x << 0); 1 + tanh t
-    and x/2 (1 + tanh t) round once each relative to |y|.  x may flush before the products."""
+    and x/2 (1 + tanh t) round once each relative to |y|.  x may flush before the products.
+
+    One exp gives all three: with e = e^(-2t), sech^2 t = 4 e / (1 + e)^2, tanh t = (1 - e) / (1 + e) and
+    x/2 (1 + tanh t) = x / (1 + e), uncancelled (-2t capped at 700, where they are 0, -1 and 0 to float64's
+    precision).  1 - e cancels where t is small: tanh t is then off by about u, which moves g(x) by
+    |x| u, against its term 2 |gelu(x)| of about |x|."""
     gated = up.size > 0
     for i in range(x.size):
         v = x[i]
         t = GELU_K * (v + 0.044715 * (v * v * v))
-        slope = abs(t) / math.cosh(t) ** 2 if abs(t) < 350 else 0.0
         exponent = -2 * t
-        gelu = v / (1 + math.exp(exponent if not exponent > 700 else 700.0))  # x/2 (1 + tanh t), uncancelled
-        steps = abs(v) / 2 * (7 * slope + tau_plus_one * abs(math.tanh(t))) + 2 * abs(gelu)
+        e = math.exp(exponent if not exponent > 700 else 700.0)
+        slope = abs(t) * (4 * e / ((1 + e) * (1 + e)))
+        gelu = v / (1 + e)
+        steps = abs(v) / 2 * (7 * slope + tau_plus_one * abs((1 - e) / (1 + e))) + 2 * abs(gelu)
         if gated:
             out[i] = eps_accumulation * steps * abs(up[i]) + tiny_d * (1 + abs(v)) * (1 + 1.0) * (1 + abs(up[i]))
         else:
@@ -282,23 +299,33 @@ def rope(args, exact, dtype):
     """
     *head, pos, x = args
     theta, rot, denom, active = head if len(head) == 4 else (head[0], head[1], head[1], head[1] // 2)
-    half = rot // 2
     D = x.shape[-1]
-    scale = np.abs(x).copy()
-    angle_error = np.zeros_like(scale)
-    u_acc = format_of(ACCUMULATION[dtype]).eps
-    freqs = _frequencies(theta, denom, active, min(half, D))
-    for i in range(min(half, D)):
-        j = i + half
-        w = float(freqs[i])
-        angle = np.abs(np.asarray(pos, dtype=np.float64) * w)
-        partner = x[..., j] if j < D else 0.0
-        r = np.hypot(x[..., i], partner)
-        scale[..., i] = r
-        angle_error[..., i] = r * u_acc * angle * (2 + tau(dtype) + (abs(math.log(abs(w))) if w else 0.0))
-        if j < D:
-            scale[..., j], angle_error[..., j] = r, angle_error[..., i]
+    freqs = _frequencies(theta, denom, active, min(rot // 2, D)).astype(np.float64)
+    factors = np.array([2 + tau(dtype) + (abs(math.log(abs(w))) if w else 0.0) for w in freqs.tolist()])
+    rows = np.ascontiguousarray(x, dtype=np.float64).reshape(-1, D)
+    scale, angle_error = np.empty(rows.shape), np.empty(rows.shape)
+    _rope_model(rows, np.asarray(pos, dtype=np.float64).reshape(-1), freqs, factors, rot // 2,
+                format_of(ACCUMULATION[dtype]).eps, scale, angle_error)
+    scale, angle_error = scale.reshape(x.shape), angle_error.reshape(x.shape)
     return scale, angle_error + product_flush(dtype, scale, 1.0) * 2
+
+
+@jit
+def _rope_model(x, pos, freqs, factors, half, u_acc, scale, angle_error):
+    """``rope``'s scale and angle error for rows x [N, D] at positions pos [N]: rotated pair i, i + half
+    (i < freqs.size) at frequency freqs[i], whose angle's relative error is u_acc factors[i]."""
+    N, D = x.shape
+    for n in range(N):
+        for k in range(D):
+            scale[n, k], angle_error[n, k] = abs(x[n, k]), 0.0
+        for i in range(freqs.size):
+            j = i + half
+            partner = x[n, j] if j < D else 0.0
+            r = math.hypot(x[n, i], partner)
+            scale[n, i] = r
+            angle_error[n, i] = r * u_acc * abs(pos[n] * freqs[i]) * factors[i]
+            if j < D:
+                scale[n, j], angle_error[n, j] = r, angle_error[n, i]
 
 
 def inv_freq(args, exact, dtype):
