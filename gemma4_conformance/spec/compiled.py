@@ -3,8 +3,9 @@
 Each kernel evaluates its enclosure's formula (derived beside it in ``spec.enclosures``) with the same
 operations in the same order, on flat float64 arrays, into the arrays ``mid`` and ``rad`` it is given
 (numpy's, which ask the kernel for huge pages: writing numba's own new arrays cost more in page
-faults than the arithmetic).  numba compiles
-with IEEE semantics: no fastmath, so no reassociation and no contraction into fused multiply-adds
+faults than the arithmetic).  An enclosure's absolute part (what results flushed below float64's
+smallest normal number lose, times the factors applied after) is 0 or at least 2^-1021: no bound is a
+subnormal number (``_underflow``).  numba compiles with IEEE semantics: no fastmath, so no reassociation and no contraction into fused multiply-adds
 the bounds do not state; ``error_model="numpy"``, so a division by zero gives inf or nan as numpy's
 does.  exp and tanh are LLVM's intrinsics, which call the C library's (tests/test_enclosures.py
 measures them against mpmath, as it does numpy's).  Compiled code is cached beside this file, or,
@@ -71,6 +72,14 @@ def _rad(mid, relative, absolute, margin):
 
 
 @jit
+def _underflow(factor):
+    """2 TINY (1 + factor), 0 where factor is 0: what flushing a result below TINY loses, times the
+    factors applied after it (``factor``), bounded so that its arithmetic meets no subnormal number
+    (each costs the CPU about a hundred cycles, and the compiler may evaluate both sides of a branch)."""
+    return 2 * TINY * (1 + factor) if factor != 0 else 0.0
+
+
+@jit
 def _sigmoid(x):
     return 1 / (1 + math.exp(-x))
 
@@ -91,20 +100,20 @@ def silu(x, E, margin, mid, rad):
 
 @jit
 def _gelu(x, k, a, E):
-    """(y, relative, absolute) of ``spec.enclosures._gelu`` for one x."""
+    """(y, relative, the factor of the absolute part, ``_underflow``) of ``spec.enclosures._gelu`` for one x."""
     t = -2 * k * (x + a * (x * x * x))
     e = math.exp(t)
     y = x / (1 + e)
     passed = e / (1 + e) if math.isfinite(e) else 1.0
     rel = 2 * U + passed * (E + 7 * U * (abs(t) if math.isfinite(t) else 0.0))
-    return y, rel, 2 * TINY * (1 + abs(x))
+    return y, rel, abs(x)
 
 
 @jit
 def gelu_tanh(x, k, a, E, margin, mid, rad):
     for i in range(x.size):
-        y, rel, absolute = _gelu(x[i], k, a, E)
-        mid[i], rad[i] = y, _rad(y, rel, absolute, margin)
+        y, rel, factor = _gelu(x[i], k, a, E)
+        mid[i], rad[i] = y, _rad(y, rel, _underflow(factor), margin)
 
 
 @jit
@@ -119,15 +128,15 @@ def silu_mul(gate, up, E, margin, mid, rad):
     for i in range(gate.size):
         g = gate[i]
         y = g * _sigmoid(g) * up[i]
-        mid[i], rad[i] = y, _rad(y, E + 2 * U + 2 * U, 2 * TINY * (1 + abs(g)) * abs(up[i]), margin)
+        mid[i], rad[i] = y, _rad(y, E + 2 * U + 2 * U, _underflow((1 + abs(g)) * abs(up[i])), margin)
 
 
 @jit
 def gelu_mul(gate, up, k, a, E, margin, mid, rad):
     for i in range(gate.size):
-        g, rel, absolute = _gelu(gate[i], k, a, E)
+        g, rel, factor = _gelu(gate[i], k, a, E)
         y = g * up[i]
-        mid[i], rad[i] = y, _rad(y, rel + U, absolute * abs(up[i]), margin)
+        mid[i], rad[i] = y, _rad(y, rel + U, _underflow((1 + factor) * abs(up[i])), margin)
 
 
 @jit
@@ -172,7 +181,7 @@ def normalised(x, H, root, rel, kind, w, w_step, z, E, margin, mid, rad):
             else:
                 weighted = w[row * w_step + j] * n
                 y = weighted * (z[i] * _sigmoid(z[i]))
-                relative, absolute = rn + (E + 2 * U) + 3 * U, 2 * TINY * abs(weighted) * (1 + abs(z[i]))
+                relative, absolute = rn + (E + 2 * U) + 3 * U, _underflow(abs(weighted) * (1 + abs(z[i])))
             mid[i], rad[i] = y, _rad(y, relative, absolute, margin)
 
 
