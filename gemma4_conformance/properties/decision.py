@@ -14,25 +14,42 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
+from llvmlite import ir
+from numba.extending import intrinsic
 
 from gemma4_conformance.spec.compiled import nan_max, jit
 
 
+@intrinsic
+def _bits(typingctx, x):
+    """float64's bits as an int64 (a bit cast, no arithmetic)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+    return numba.int64(numba.float64), codegen
+
+
+@intrinsic
+def _from_bits(typingctx, n):
+    """The float64 with bits ``n``."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return numba.float64(numba.int64), codegen
+
+
 @jit
-def _scale_ulp(scale, precision, emin, max_finite, floats, ints):
+def _scale_ulp(scale, precision, emin, max_finite):
     """``spec.scale_ulp`` of one element: 2^(max(e, emin) - (precision - 1)), e = floor(log2 |scale|),
-    read from float64's exponent field (``floats`` and ``ints``: two scratch words, one memory)."""
+    read from float64's exponent field."""
     magnitude = abs(scale)
     if not math.isfinite(magnitude):
         magnitude = max_finite
-    floats[0] = magnitude
-    e = emin if magnitude == 0 else max(((ints[0] >> 52) & 0x7FF) - 1023, emin)  # a subnormal's is below emin
+    e = emin if magnitude == 0 else max(((_bits(magnitude) >> 52) & 0x7FF) - 1023, emin)  # a subnormal's is below emin
     e = e - (precision - 1)
     if e < -1022:  # the ULP is subnormal
         return math.ldexp(1.0, e)
-    ints[1] = (e + 1023) << 52
-    return floats[1]
+    return _from_bits((e + 1023) << 52)
 
 
 @jit
@@ -95,8 +112,6 @@ def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute
     uncertain = False
     z_within, z_surely, z_beyond = True, True, False  # zeros
     f_within, f_surely, f_beyond = True, True, False  # the sign flipped
-    floats = np.empty(2)
-    ints = floats.view(np.int64)
     binade = 2.0**(precision - 1)  # a scale's ULP times this is the bottom of its binade
     sure = allowed * (1 - slack)
     for i in range(n):
@@ -106,14 +121,14 @@ def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute
         else:
             err, err_low, err_high = error[i], error_low[i], error_high[i]
         finite = math.isfinite(g)
-        spacing = _scale_ulp(s, precision, emin, max_finite, floats, ints)
+        spacing = _scale_ulp(s, precision, emin, max_finite)
         a_unit = a / allowed if step else uniform_unit
         unit = spacing + a_unit
         below = nan_max(s - r, 0.0)
         if math.isfinite(s) and below >= spacing * binade:  # s - r in s's binade: the same ULP
             unit_low = unit
         else:
-            unit_low = _scale_ulp(below, precision, emin, max_finite, floats, ints) + a_unit
+            unit_low = _scale_ulp(below, precision, emin, max_finite) + a_unit
         u = err / unit if finite else math.inf
         u_high = err_high / unit_low if finite else math.inf
         right = flags and right_inf[i]
@@ -148,7 +163,7 @@ def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute
         if finite and not right:
             most = nan_max(most, u_high)
             if not u <= least:  # the error's lower bound is at most u: below least it leaves it as it is
-                low = err_low / (_scale_ulp(s + r, precision, emin, max_finite, floats, ints) + a_unit)
+                low = err_low / (_scale_ulp(s + r, precision, emin, max_finite) + a_unit)
                 least = nan_max(least, low)
     return not_finite, zero_first, worst, least, most, uncertain, \
         (z_within, z_surely, z_beyond), (f_within, f_surely, f_beyond)
@@ -158,11 +173,9 @@ def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute
 def admits(answer, exact, rad, scale, absolute, allowed, precision, emin, max_finite, slack):
     """(all within, all surely within, any surely beyond) the allowance, for one more trivial answer."""
     within, surely, beyond = True, True, False
-    floats = np.empty(2)
-    ints = floats.view(np.int64)
     step = 1 if absolute.size > 1 else 0
     for i in range(answer.size):
-        allowance = allowed * _scale_ulp(scale[i], precision, emin, max_finite, floats, ints) + absolute[i * step]
+        allowance = allowed * _scale_ulp(scale[i], precision, emin, max_finite) + absolute[i * step]
         within, surely, beyond = _admits(_answer_distance(answer[i], exact[i], rad[i], slack), rad[i], allowance,
                                          slack, within, surely, beyond)
     return within, surely, beyond
@@ -203,12 +216,10 @@ def zeroed_heads_admits(heads, count, exact, rad, scale, absolute, allowed, prec
     order).  Returns [count, 3]: (all within, all surely within, any surely beyond)."""
     zeroed, kept = np.zeros((3, count), dtype=np.bool_), np.zeros((3, count), dtype=np.bool_)
     zeroed[:2], kept[:2] = True, True
-    floats = np.empty(2)
-    ints = floats.view(np.int64)
     step = 1 if absolute.size > 1 else 0
     for i in range(exact.size):
         h, e, r = heads[i], exact[i], rad[i]
-        allowance = allowed * _scale_ulp(scale[i], precision, emin, max_finite, floats, ints) + absolute[i * step]
+        allowance = allowed * _scale_ulp(scale[i], precision, emin, max_finite) + absolute[i * step]
         zeroed[0, h], zeroed[1, h], zeroed[2, h] = _admits(_answer_distance(0.0, e, r, slack), r, allowance, slack,
                                                            zeroed[0, h], zeroed[1, h], zeroed[2, h])
         kept[0, h], kept[1, h], kept[2, h] = _admits(_answer_distance(e, e, r, slack), r, allowance, slack,
