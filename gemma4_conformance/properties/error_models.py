@@ -289,6 +289,15 @@ def _frequencies(theta, denom, active, n) -> np.ndarray:
     return frequencies
 
 
+@functools.lru_cache(maxsize=64)
+def _angle_factors(theta, denom, active, n, dtype):
+    """(the inverse frequencies, 2 + TAU + |ln w| of each): ``rope``'s per rotated pair."""
+    freqs = _frequencies(theta, denom, active, n).astype(np.float64)
+    factors = np.array([2 + tau(dtype) + (abs(math.log(abs(w))) if w else 0.0) for w in freqs.tolist()])
+    freqs.flags.writeable = factors.flags.writeable = False
+    return freqs, factors
+
+
 def rope(args, exact, dtype):
     """r per rotated coordinate, r the pair's norm; the angle a = pos w's own error bounded absolutely.
 
@@ -300,8 +309,7 @@ def rope(args, exact, dtype):
     *head, pos, x = args
     theta, rot, denom, active = head if len(head) == 4 else (head[0], head[1], head[1], head[1] // 2)
     D = x.shape[-1]
-    freqs = _frequencies(theta, denom, active, min(rot // 2, D)).astype(np.float64)
-    factors = np.array([2 + tau(dtype) + (abs(math.log(abs(w))) if w else 0.0) for w in freqs.tolist()])
+    freqs, factors = _angle_factors(theta, denom, active, min(rot // 2, D), dtype)
     rows = np.ascontiguousarray(x, dtype=np.float64).reshape(-1, D)
     scale, angle_error = np.empty(rows.shape), np.empty(rows.shape)
     _rope_model(rows, np.asarray(pos, dtype=np.float64).reshape(-1), freqs, factors, rot // 2,
@@ -376,9 +384,38 @@ def softmax(args, exact, dtype):
     and the normalising sum spreads every term's error over the row.  Masked entries must be exactly 0."""
     s, visible = args
     visible = np.broadcast_to(np.asarray(visible, dtype=bool), s.shape)
-    p, z = _masked_softmax(s, visible)
-    scale = p * (1 + np.abs(z) + np.sum(p * np.abs(z), axis=-1, keepdims=True))
-    return np.where(visible, scale, 0.0), np.where(visible, 2 * tiny(dtype), 0.0)
+    scale = np.empty(s.shape)
+    if s.size:
+        _softmax_scale(np.ascontiguousarray(s, dtype=np.float64).reshape(-1),
+                       np.ascontiguousarray(visible).reshape(-1), s.shape[-1], scale.reshape(-1))
+    return scale, np.where(visible, 2 * tiny(dtype), 0.0)
+
+
+@jit
+def _softmax_scale(s, visible, L, scale):
+    """``softmax``'s scale per row of L logits, in one pass a step: the visible ones' softmax p in float64,
+    z = s - max (the max 0 where it is not finite, nan where a logit is), and p (1 + |z| + sum_j p_j |z_j|)
+    where visible, 0 elsewhere."""
+    for start in range(0, s.size, L):
+        top = -math.inf
+        for j in range(start, start + L):
+            if visible[j] and not s[j] <= top:
+                top = s[j]
+                if top != top:
+                    break
+        if not math.isfinite(top):
+            top = 0.0
+        total = 0.0
+        for j in range(start, start + L):
+            scale[j] = math.exp(s[j] - top) if visible[j] else 0.0
+            total += scale[j]
+        spread = 0.0
+        for j in range(start, start + L):
+            scale[j] = scale[j] / total if total > 0 else 0.0
+            spread += scale[j] * abs(s[j] - top) if visible[j] else 0.0
+        for j in range(start, start + L):
+            if visible[j]:
+                scale[j] = scale[j] * (1 + abs(s[j] - top) + spread)
 
 
 def _attention(scale, visible, q, k, v, dtype, parts=None):

@@ -186,6 +186,16 @@ def normalised(x, H, root, rel, kind, w, w_step, z, E, margin, mid, rad):
 
 
 @jit
+def _grown(d):
+    """At least e^d - 1, what a shift off by d >= 0 does to exp relatively: d (1 + 2^-19) for d <= 2^-20
+    (e^d - 1 <= d (1 + d), and one rounding leaves d (1 + 2^-20) below; expm1 costs twice exp),
+    expm1(d) above, with d capped at 700."""
+    if d <= 2.0**-20:
+        return d * (1 + 2.0**-19)
+    return math.expm1(d if not d > 700.0 else 700.0)
+
+
+@jit
 def softmax(s, s_rad, visible, L, E, mid, rel):
     """Weights p and their relative errors per row of L (``spec.enclosures._softmax``): the row's
     largest visible logit (the first, or the first nan; the first logit where none is visible) is
@@ -209,7 +219,7 @@ def softmax(s, s_rad, visible, L, E, mid, rel):
                 mid[j] = math.exp(z)
                 total += mid[j]
                 shift = s_rad[j] + top_rad + U * abs(z)
-                rel[j] = math.expm1(shift if not shift > 700.0 else 700.0) + E  # e^d - 1: a shift off by d
+                rel[j] = _grown(shift) + E
                 worst = nan_max(worst, rel[j])
         rel_total = worst + (count - 1) * U
         for j in range(start, start + L):

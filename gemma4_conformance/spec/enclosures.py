@@ -22,6 +22,7 @@ may underflow carry ``ABSOLUTE`` (a multiple of the smallest normal number) time
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -273,13 +274,7 @@ def rope(theta, rot, denom, active, pos, x, *, work):
     D = x.shape[-1]
     half = rot // 2
     positions = np.asarray(pos).astype(w.type)
-    log_theta = abs(float(np.log(theta)))
-    freqs, rel_freqs = np.zeros(min(half, D), dtype=w.type), np.zeros(min(half, D))
-    for i in range(min(half, D)):
-        if i < active:
-            exponent = -(2 * w.type(i) / w.type(denom))
-            freqs[i] = np.power(theta, exponent)
-            rel_freqs[i] = w.elementary + w.u + abs(float(exponent)) * log_theta * w.u * 2
+    freqs, rel_freqs = _rope_frequencies(work, theta, denom, active, min(half, D))
     if work is np.float64:
         return _compiled(compiled.rope, x.shape, _flat(x), D, half, _flat(positions), freqs, rel_freqs, _E64, _MARGIN64)
     y = x.copy()
@@ -299,6 +294,21 @@ def rope(theta, rot, denom, active, pos, x, *, work):
             rad[..., j] = (np.abs(xi) + np.abs(xj)) * error + 2 * w.u * (np.abs(xj * cos) + np.abs(xi * sin)) \
                 + w.u * np.abs(y[..., j]) + 4 * w.tiny
     return y, w.rad(y, 0.0, rad)
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_frequencies(work, theta, denom, active, n):
+    """``rope``'s n inverse frequencies in ``work`` (0 past ``active``) and their relative errors: the same
+    for every call of a model's rope."""
+    w = _Work(work)
+    log_theta = abs(float(np.log(theta)))
+    freqs, rel_freqs = np.zeros(n, dtype=w.type), np.zeros(n)
+    for i in range(min(n, active)):
+        exponent = -(2 * w.type(i) / w.type(denom))
+        freqs[i] = np.power(theta, exponent)
+        rel_freqs[i] = w.elementary + w.u + abs(float(exponent)) * log_theta * w.u * 2
+    freqs.flags.writeable = rel_freqs.flags.writeable = False
+    return freqs, rel_freqs
 
 
 def rope_std(theta, rot, pos, x, *, work):
