@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gemma4_conformance.spec import format_of
+from gemma4_conformance.spec import enclosures, format_of
 
 exact_sums = importlib.import_module("gemma4_conformance.spec.exact")  # spec.exact is also a function
 
@@ -243,6 +243,17 @@ def test_float64_products_inside_sharing_are_the_enclosures_sums():
     assert (np.abs(logits - exact) <= np.spacing(np.abs(exact))).all()
     np.testing.assert_allclose(dots, np.abs(a) @ np.abs(W).T, rtol=1e-13)
     np.testing.assert_allclose(sums, np.abs(W).sum(axis=1), rtol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_attentions_logits_are_not_kept(dtype):
+    """Attention's enclosure leaves no products in the assessment's shared results: no error model reads
+    its logits, which at a real-size prefill are gigabytes a key-value head."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(shape).astype(dtype) for shape in ((3, 2, 2, 8), (5, 2, 8), (5, 2, 8)))
+    with exact_sums.sharing():
+        enclosures.causal_gqa(0.5, np.arange(2, 5), q, k, v, work=enclosures.work_type(np.finfo(dtype).nmant + 1))
+        assert not [key for key in exact_sums._shared if "products" in key[0]]
 
 
 def test_unsigned_products_are_not_served_to_a_signed_call_but_signed_ones_to_an_unsigned():

@@ -486,7 +486,7 @@ def _gqa(scale, visible, q, k, v, work):
     L = k.shape[0]
     mask = visible[:, None, :]
     for c in range(q.shape[1]):
-        dot, dot_rad = dots_enclosure(q[:, c], k[:, c], w.type)  # [S, G, L]
+        dot, dot_rad = dots_enclosure(q[:, c], k[:, c], w.type, kept=False)  # [S, G, L]
         logits = scale * dot
         logits_rad = abs(scale) * dot_rad + w.u * np.abs(logits)
         p, rel = _softmax(w, logits, logits_rad, mask)

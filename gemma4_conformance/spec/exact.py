@@ -599,20 +599,20 @@ def _radius_factor(K: int) -> float:
     return math.nextafter(float(gamma / (1 - gamma)), math.inf) * _ROUNDING
 
 
-def dots_enclosure(a: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
+def dots_enclosure(a: np.ndarray, b: np.ndarray, work, kept: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """``sum_k a[..., k] * b[n, k]`` for floating ``a [..., K]`` and ``b [N, K]`` as (mid, rad) in the
     floating type ``work``, |exact - mid| <= rad: for bf16, fp16 and float32 operands float64 matrix
     products (BLAS, ``products``) and the a-priori bound above, for float64 ones their double-double
     sums (``_double_double_dots_enclosure``), for mpf ones the exact integer sums of ``dots``.  rad is inf
-    where an operand is not finite."""
+    where an operand is not finite.  ``kept``: whether the products are shared (``products``)."""
     K, N = a.shape[-1], b.shape[0]
     rows = a.reshape(math.prod(a.shape[:-1]), K)
     shape = a.shape[:-1] + (N,)
     if not (_narrow(rows) and _narrow(b)):
         wide = rows.dtype != object and b.dtype != object
-        mid, rad = (_double_double_dots_enclosure if wide else _exact_dots_enclosure)(rows, b, work)
+        mid, rad = _double_double_dots_enclosure(rows, b, work, kept) if wide else _exact_dots_enclosure(rows, b, work)
         return mid.reshape(shape), rad.reshape(shape)
-    mid, total, _ = products(rows, b)
+    mid, total, _ = products(rows, b, kept=kept)
     with np.errstate(all="ignore"):
         rad = np.where(np.isfinite(total) & np.isfinite(mid), total * _radius_factor(K), np.inf)
     return mid.astype(work).reshape(shape), rad.astype(work).reshape(shape)
@@ -660,14 +660,19 @@ def _hashable(x) -> bool:
     return True
 
 
-def products(a: np.ndarray, b: np.ndarray, signed: bool = True) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+def products(a: np.ndarray, b: np.ndarray, signed: bool = True,
+             kept: bool = True) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """(a @ b.T where ``signed``, else None; |a| @ |b|.T; the row sums of |b|) in float64 for a [R, K]
     and b [N, K] of any floating format, by BLAS, through b widened in blocks of rows that stay in the
     cache for all three (widened whole, b would be its size again four times over: 470 MB at 15360 x
     3840); once per b and values of a inside ``sharing``.  For bf16, fp16 and float32 operands the first
     two are ``dots_enclosure``'s mid and T^; for float64 ones, where ``dots_enclosure`` ran first in the
-    block, its double-double sums rounded to float64 and m (``_double_double_dots_enclosure``)."""
+    block, its double-double sums rounded to float64 and m (``_double_double_dots_enclosure``).  Not
+    ``kept``, they are computed and not shared (products no one else reads: attention's logits, which
+    at a real-size prefill are gigabytes a key-value head)."""
     wide = np.ascontiguousarray(widen(a))
+    if not kept:
+        return _products(wide, b, signed)
     operands = (b, wide.tobytes(), wide.shape)
     known = None if signed else shared("signed products", operands)
     if known is not None:
@@ -708,7 +713,8 @@ def _double_double_factor(K: int) -> float:
     return math.nextafter(float(gamma**2 * (1 + u) / (1 - gamma)), math.inf) * _ROUNDING
 
 
-def _double_double_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
+def _double_double_dots_enclosure(rows: np.ndarray, b: np.ndarray, work,
+                                  kept: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """``dots_enclosure`` for float64 operands from their double-double sums (above); where a sum may
     overflow, an operand is not finite, or the sum cancels too far for the radius (``_LOOSE``), the
     rows and columns it is in keep the exact integer sums.  Inside ``sharing`` the sums rounded to
@@ -735,7 +741,8 @@ def _double_double_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tupl
         inner, outer = np.flatnonzero(loose.any(axis=1)), np.flatnonzero(loose.any(axis=0))
         part = np.ix_(inner, outer)
         mid[part], rad[part] = _exact_dots_enclosure(rows[inner], widen(b[outer]), work)
-    shared("signed products", (b, rows.tobytes(), rows.shape), lambda: (high + low, magnitude, sums))
+    if kept:
+        shared("signed products", (b, rows.tobytes(), rows.shape), lambda: (high + low, magnitude, sums))
     return mid, rad
 
 
