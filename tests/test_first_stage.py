@@ -48,28 +48,35 @@ def same_verdict(op, args, dtype, out):
     return fast
 
 
+def each_output(op, dtype, check, fixed, examples):
+    """``check(args, out)`` on the ``fixed`` cases and ``examples`` drawn ones, for numpy's output and
+    ``_outputs``' others."""
+    adapter = adapters.load("numpy")
+
+    def judged(case):
+        args = build(op, case, dtype)
+        for out in _outputs(op, args, dtype, call(adapter, op, args, dtype)):
+            check(args, out)
+
+    for case in fixed:
+        judged(case)
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def drawn(data):
+        judged(data.draw(cases(op, dtype)))
+
+    drawn()
+
+
 @pytest.mark.parametrize("op", sorted(spec.OP_NAMES))
 def test_first_stage_gives_the_oracles_verdicts(op):
     """On the profile's edge cases and drawn examples, for numpy's output and outputs at whole ULPs
     around the correctly rounded result (which straddle every small budget) and trivially wrong ones,
     both paths give the same verdict, failure messages, informativeness and largest error as printed."""
-    adapter = adapters.load("numpy")
     for dtype in DTYPES:
-        def judged(case):
-            args = build(op, case, dtype)
-            for out in _outputs(op, args, dtype, call(adapter, op, args, dtype)):
-                same_verdict(op, args, dtype, out)
-
-        for case in edge_cases(op)[:2]:
-            judged(case)
-
-        @settings(max_examples=2, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(st.data())
-        def drawn(data):
-            judged(data.draw(cases(op, dtype)))
-
-        drawn()
+        each_output(op, dtype, lambda args, out: same_verdict(op, args, dtype, out), edge_cases(op)[:2], 2)
 
 
 def _bf16(values):
@@ -125,33 +132,21 @@ def test_blocks_give_the_whole_outputs_verdict(op, monkeypatch):
     outputs) gives the verdict of the whole output's arrays, every element's error the same number, and
     leaves to them every output it cannot settle.  It settles the real-size draws: the shortcut is taken."""
     monkeypatch.setattr(judging, "BLOCK", 64)
-    adapter = adapters.load("numpy")
     entry, taken = OPS[op], 0
     for dtype in DTYPES[:3]:
-        def judged(case):
+        def check(args, out):
             nonlocal taken
-            args = build(op, case, dtype)
-            for out in _outputs(op, args, dtype, call(adapter, op, args, dtype)):
-                got = np.asarray(out)
-                with sharing():
-                    blocks = judging._judged_in_blocks(entry, args, got, dtype)
-                    whole, undecided = judging._judge(entry, args, got, dtype, (Ellipsis,),
-                                                      judging._enclosed(entry, args, dtype, got))
-                if blocks is None:
-                    continue
-                taken += 1
-                assert whole.passed and not undecided.any() and not whole.contenders.any(), (op, dtype)
-                assert blocks.admitted == whole.admitted and blocks.budget == whole.budget, (op, dtype)
-                np.testing.assert_array_equal(blocks.errors, whole.errors)
+            got = np.asarray(out)
+            with sharing():
+                blocks = judging._judged_in_blocks(entry, args, got, dtype)
+                whole, undecided = judging._judge(entry, args, got, dtype, (Ellipsis,),
+                                                  judging._enclosed(entry, args, dtype, got))
+            if blocks is None:
+                return
+            taken += 1
+            assert whole.passed and not undecided.any() and not whole.contenders.any(), (op, dtype)
+            assert blocks.admitted == whole.admitted and blocks.budget == whole.budget, (op, dtype)
+            np.testing.assert_array_equal(blocks.errors, whole.errors)
 
-        for case in edge_cases(op)[:2] + real_size_cases(op)[:1]:
-            judged(case)
-
-        @settings(max_examples=3, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(st.data())
-        def drawn(data):
-            judged(data.draw(cases(op, dtype)))
-
-        drawn()
+        each_output(op, dtype, check, edge_cases(op)[:2] + real_size_cases(op)[:1], 3)
     assert taken, op
