@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ml_dtypes
-import numba
 import numpy as np
 
 from gemma4_conformance import spec
@@ -61,20 +60,23 @@ def tiny_accumulated(dtype) -> float:
 
 def product_flush(dtype, *factors):
     """prod(1 + |f_i|) * 2^emin: the most a product computed in any order loses to flushed partials
-    (one pass per factor, in place where the factor adds no axis)."""
+    (in place where a factor adds no axis, one pass a factor)."""
     out = tiny(dtype)
     for f in factors:
-        if isinstance(out, np.ndarray) and out.shape == np.broadcast_shapes(out.shape, np.shape(f)):
-            _times_one_plus_abs(out, f, out=out)
+        if isinstance(out, np.ndarray) and np.ndim(f) == 0:
+            out *= 1 + abs(f)
+        elif isinstance(out, np.ndarray) and np.shape(f) == out.shape and out.flags.c_contiguous:
+            _times_one_plus_abs(out.reshape(-1), np.ascontiguousarray(f, dtype=np.float64).reshape(-1))
         else:
-            out = _times_one_plus_abs(out, f)
+            out = out * (1 + np.abs(f))
     return out
 
 
-@numba.vectorize(["float64(float64, float64)"], cache=True)
-def _times_one_plus_abs(a, f):
-    """a (1 + |f|), rounded as numpy rounds it in two steps, in one pass."""
-    return a * (1 + abs(f))
+@jit
+def _times_one_plus_abs(out, f):
+    """out (1 + |f|) into out, rounded as numpy rounds it in two steps."""
+    for i in range(out.size):
+        out[i] = out[i] * (1 + abs(f[i]))
 
 
 def exact_magnitude(args, exact, dtype):
