@@ -312,7 +312,7 @@ def rope(args, exact, dtype):
     theta, rot, denom, active = head if len(head) == 4 else (head[0], head[1], head[1], head[1] // 2)
     D = x.shape[-1]
     freqs, factors = _angle_factors(theta, denom, active, min(rot // 2, D), dtype)
-    rows = np.ascontiguousarray(x, dtype=np.float64).reshape(-1, D)
+    rows = np.ascontiguousarray(x, dtype=np.float64).reshape(math.prod(x.shape[:-1]), D)
     scale, angle_error = np.empty(rows.shape), np.empty(rows.shape)
     _rope_model(rows, np.asarray(pos, dtype=np.float64).reshape(-1), freqs, factors, rot // 2,
                 format_of(ACCUMULATION[dtype]).eps, scale, angle_error)
