@@ -128,10 +128,10 @@ ROW_WISE = sorted(name for name, entry in OPS.items() if entry.row_wise and entr
 
 @pytest.mark.parametrize("op", ROW_WISE)
 def test_blocks_give_the_whole_outputs_verdict(op, monkeypatch):
-    """A row-wise op judged a few rows at a time (``judging._judged_in_blocks``, here in blocks of 64
-    outputs) gives the verdict of the whole output's arrays, every element's error the same number, and
-    leaves to them every output it cannot settle.  It settles the real-size draws: the shortcut is taken."""
-    monkeypatch.setattr(judging, "BLOCK", 64)
+    """A row-wise op judged a block of rows at a time (``judging._judged_in_blocks``, here a row a block,
+    so that every example of two rows or more has several) gives the verdict of the whole output's arrays,
+    every element's error the same number, wherever it gives one; and it gives one on some cases."""
+    monkeypatch.setattr(judging, "BLOCK", 1)
     entry, taken = OPS[op], 0
     for dtype in DTYPES[:3]:
         def check(args, out):
