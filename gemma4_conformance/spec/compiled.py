@@ -2,15 +2,16 @@
 
 Each kernel evaluates its enclosure's formula (derived beside it in ``spec.enclosures``) with the same
 operations in the same order, on flat float64 arrays, into the arrays ``mid`` and ``rad`` it is given
-(numpy's, which ask the kernel for huge pages: writing numba's own new arrays cost more in page
-faults than the arithmetic).  An enclosure's absolute part (what results flushed below float64's
-smallest normal number lose, times the factors applied after) is 0 or at least 2^-1021: no bound is a
-subnormal number (``_underflow``).  numba compiles with IEEE semantics: no fastmath, so no reassociation and no contraction into fused multiply-adds
-the bounds do not state; ``error_model="numpy"``, so a division by zero gives inf or nan as numpy's
-does.  exp and tanh are LLVM's intrinsics, which call the C library's (tests/test_enclosures.py
-measures them against mpmath, as it does numpy's).  Compiled code is cached beside this file, or,
-where the package's folder is read-only (an installed wheel), in numba's per-user cache folder
-(``NUMBA_CACHE_DIR`` overrides both).
+(numpy's, which ask the kernel for huge pages: writing numba's own new arrays cost more in page faults
+than the arithmetic).  Two bounds differ from the numpy code's, each no smaller: an absolute part (what
+results flushed below float64's smallest normal number lose, times the factors applied after) is 0 or at
+least 2^-1021, so that no bound is a subnormal number (``_underflow``), and e^d - 1 for a small shift d
+takes no expm1 (``_grown``).  numba compiles with IEEE semantics: no fastmath, so no reassociation and
+no contraction into fused multiply-adds the bounds do not state; ``error_model="numpy"``, so a division
+by zero gives inf or nan as numpy's does.  exp and tanh are LLVM's intrinsics, which call the C
+library's (tests/test_enclosures.py measures them against mpmath, as it does numpy's).  Compiled code is
+cached beside this file, or, where the package's folder is read-only (an installed wheel), in numba's
+per-user cache folder (``NUMBA_CACHE_DIR`` overrides both).
 """
 
 from __future__ import annotations
@@ -188,8 +189,9 @@ def normalised(x, H, root, rel, kind, w, w_step, z, E, margin, mid, rad):
 @jit
 def _grown(d):
     """At least e^d - 1, what a shift off by d >= 0 does to exp relatively: d (1 + 2^-19) for d <= 2^-20
-    (e^d - 1 <= d (1 + d), and one rounding leaves d (1 + 2^-20) below; expm1 costs twice exp),
-    expm1(d) above, with d capped at 700."""
+    (e^d - 1 <= d (1 + d), and one rounding of a normal product leaves d (1 + 2^-20) below; for a
+    subnormal d it falls short by under 2^-2000, inside MARGIN as the bounds' own roundings are; expm1
+    costs twice exp), expm1(d) above, with d capped at 700."""
     if d <= 2.0**-20:
         return d * (1 + 2.0**-19)
     return math.expm1(d if not d > 700.0 else 700.0)
@@ -287,6 +289,21 @@ def _fma(typingctx, x, y, z):
 
 
 @jit
+def _two_sum(x, y):
+    """(s, e): s = fl(x + y) and x + y = s + e exactly (Knuth's TwoSum)."""
+    s = x + y
+    back = s - x
+    return s, (x - (s - back)) + (y - back)
+
+
+@jit
+def _two_product(x, y):
+    """(p, e): p = fl(x y) and x y = p + e exactly (TwoProductFMA)."""
+    p = x * y
+    return p, _fma(x, y, -p)
+
+
+@jit
 def weighted_sums(p_high, p_low, v, high, low):
     """sum_l (p_high + p_low)[r, l] v[l, d] for p [R, L] as two float64s and v [L, D], into the double-double
     high + low [R, D]: each p_high v exactly (TwoProductFMA, as ``dot_sums``), summed into high by TwoSum,
@@ -304,12 +321,8 @@ def weighted_sums(p_high, p_low, v, high, low):
             a, b = p_high[r, l], p_low[r, l]
             for d in range(D):
                 x = v[l, d]
-                product = a * x
-                error = _fma(a, x, -product)
-                total = high[r, d] + product
-                back = total - high[r, d]
-                rounding = (high[r, d] - (total - back)) + (product - back)
-                high[r, d] = total
+                product, error = _two_product(a, x)
+                high[r, d], rounding = _two_sum(high[r, d], product)
                 low[r, d] = low[r, d] + (rounding + error + b * x)
 
 
@@ -346,27 +359,18 @@ def dot_sums(a, b, high, low, magnitude, b_sums):
                 lanes_high[j], lanes_low[j], lanes_magnitude[j] = 0.0, 0.0, 0.0
             for start in range(0, full, DOT_LANES):
                 for j in range(DOT_LANES):
-                    x, y = a[r, start + j], b[n, start + j]
-                    product = x * y
-                    error = _fma(x, y, -product)
-                    before = lanes_high[j]
-                    total = before + product
-                    back = total - before
-                    lanes_high[j] = total
-                    lanes_low[j] = lanes_low[j] + (((before - (total - back)) + (product - back)) + error)
+                    product, error = _two_product(a[r, start + j], b[n, start + j])
+                    lanes_high[j], rounding = _two_sum(lanes_high[j], product)
+                    lanes_low[j] = lanes_low[j] + (rounding + error)
                     lanes_magnitude[j] = lanes_magnitude[j] + abs(product)
             h, l, m = 0.0, 0.0, 0.0
             for j in range(DOT_LANES):
-                total = h + lanes_high[j]
-                back = total - h
-                l = l + (((h - (total - back)) + (lanes_high[j] - back)) + lanes_low[j])
-                h, m = total, m + lanes_magnitude[j]
+                h, rounding = _two_sum(h, lanes_high[j])
+                l = l + (rounding + lanes_low[j])
+                m = m + lanes_magnitude[j]
             for k in range(full, K):
-                x, y = a[r, k], b[n, k]
-                product = x * y
-                error = _fma(x, y, -product)
-                total = h + product
-                back = total - h
-                l = l + (((h - (total - back)) + (product - back)) + error)
-                h, m = total, m + abs(product)
+                product, error = _two_product(a[r, k], b[n, k])
+                h, rounding = _two_sum(h, product)
+                l = l + (rounding + error)
+                m = m + abs(product)
             high[r, n], low[r, n], magnitude[r, n] = h, l, m
