@@ -40,10 +40,13 @@ def assert_encloses(op, args, dtype):
         mid, rad = enclose(op, args, dtype)
     except enclosures.NotEnclosed:
         return
-    mid, rad = np.atleast_1d(mid), np.atleast_1d(rad)
-    exact = np.asarray(spec.ORACLES[op](*args), dtype=object).reshape(mid.shape)
+    words = mid if isinstance(mid, enclosures.DoubleWord) else (mid,)
+    rad = np.atleast_1d(rad)
+    exact = np.asarray(spec.ORACLES[op](*args), dtype=object).reshape(rad.shape)
     bounded = np.isfinite(rad)
-    mid, rad = as_mpf(np.where(bounded, mid, 0)), as_mpf(np.where(bounded, rad, 0))
+    with mpmath.workprec(256):  # a double word's sum exactly
+        mid = sum(as_mpf(np.where(bounded, np.reshape(word, rad.shape), 0)) for word in words)
+    rad = as_mpf(np.where(bounded, rad, 0))
     outside = [i for i in zip(*np.nonzero(bounded)) if abs(exact[i] - mid[i]) > rad[i]]
     assert not outside, f"{op} {dtype}: exact {exact[outside[0]]} outside {mid[outside[0]]} ± {rad[outside[0]]}"
 

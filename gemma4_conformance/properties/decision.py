@@ -19,7 +19,7 @@ import numpy as np
 from llvmlite import ir
 from numba.extending import intrinsic
 
-from gemma4_conformance.spec.compiled import nan_max, jit
+from gemma4_conformance.spec.compiled import jit, nan_max, two_sum
 
 
 @intrinsic
@@ -53,25 +53,33 @@ def _scale_ulp(scale, precision, emin, max_finite):
 
 
 @jit
-def _bounds(g, mid, rad, slack):
-    """From an enclosure mid ± rad (float64) of an exact result: the radius (inf where it does not
-    bound: rad nan or mid not finite), |g - mid| and its low and high bounds (``judging._SLACK``)."""
+def _bounds(g, mid, mid_low, rad, slack):
+    """From an enclosure (mid + mid_low) ± rad of an exact result (mid_low 0 but for a double word,
+    ``spec.enclosures.DoubleWord``): the radius about mid, the float64 exact64 (|mid_low| more; inf where
+    rad does not bound: nan, or mid not finite), |g - mid - mid_low| and its low and high bounds
+    (``judging._SLACK``).  g - mid is exact as TwoSum's s + t: s + (t - mid_low) rounds at most three
+    times (once where t is 0, and where it is not, |g - mid| > |mid| / 2 dwarfs mid_low)."""
     r = rad
     if r != r or not math.isfinite(mid):
         r = math.inf
-    d = abs(g - mid)
-    exact_rad = r * (1 + slack)  # mid is the float64 exact64: it adds nothing
+    if mid_low == 0:
+        d = abs(g - mid)
+    else:
+        s, t = two_sum(g, -mid)
+        d = abs(s + (t - mid_low))
+    exact_rad = (r + abs(mid_low)) * (1 + slack)
     return exact_rad if math.isfinite(exact_rad) else math.inf, d, nan_max(d - r, 0.0) * (1 - slack), \
         (d + r) * (1 + slack)
 
 
 @jit
-def stage_bounds(got, mid, rad, slack):
-    """``_bounds`` of every element, as arrays (radius, error, low, high)."""
+def stage_bounds(got, mid, mid_low, rad, slack):
+    """``_bounds`` of every element, as arrays (radius, error, low, high); ``mid_low`` empty: all 0."""
     n = got.size
+    lows = mid_low.size > 0
     radius, error, low, high = np.empty(n), np.empty(n), np.empty(n), np.empty(n)
     for i in range(n):
-        radius[i], error[i], low[i], high[i] = _bounds(got[i], mid[i], rad[i], slack)
+        radius[i], error[i], low[i], high[i] = _bounds(got[i], mid[i], mid_low[i] if lows else 0.0, rad[i], slack)
     return radius, error, low, high
 
 
@@ -89,12 +97,12 @@ def _admits(apart, rad, allowance, slack, within, surely, beyond):
 
 
 @jit
-def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute, right_inf, undecided_in,
-                  allowed, precision, emin, max_finite, slack, ulps, ulps_high, undecided):
+def verdict_units(got, exact, rad, exact_low, error, error_low, error_high, scale, absolute, right_inf,
+                  undecided_in, allowed, precision, emin, max_finite, slack, ulps, ulps_high, undecided):
     """One pass of ``judging._judge`` over its elements (all arrays flat, float64; ``absolute`` may
     hold one value for all; ``right_inf`` and ``undecided_in`` empty where every output is finite).
-    ``error`` and its bounds empty: ``exact`` and ``rad`` are an enclosure's mid and radius, whose
-    bounds (``_bounds``) it makes as it goes.  Writes the ULPs, their upper bounds (unless
+    ``error`` and its bounds empty: ``exact`` and ``rad`` are an enclosure's mid and radius (and
+    ``exact_low`` a double word's low part, or empty), whose bounds (``_bounds``) it makes as it goes.  Writes the ULPs, their upper bounds (unless
     ``ulps_high`` is empty) and the undecided elements; returns how many ULPs are not finite,
     the first zero-scale element, the worst over-budget element (-1: none),
     the largest lower and upper bounds of the ULPs (the contenders' test), whether any radius is
@@ -103,12 +111,12 @@ def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute
     n = got.size
     keep_high = ulps_high.size > 0
     enclosed = error.size == 0
+    lows = exact_low.size > 0
     flags = right_inf.size > 0
     zero_first, worst, worst_ulps = -1, -1, -1.0
     least, most = -math.inf, -math.inf
     not_finite = 0
     step = 1 if absolute.size > 1 else 0
-    uniform_unit = absolute[0] / allowed if n > 0 else 0.0  # a / allowed where absolute is one value
     uncertain = False
     z_within, z_surely, z_beyond = True, True, False  # zeros
     f_within, f_surely, f_beyond = True, True, False  # the sign flipped
@@ -117,18 +125,22 @@ def verdict_units(got, exact, rad, error, error_low, error_high, scale, absolute
     for i in range(n):
         g, e, r, s, a = got[i], exact[i], rad[i], scale[i], absolute[i * step]
         if enclosed:
-            r, err, err_low, err_high = _bounds(g, e, r, slack)
+            r, err, err_low, err_high = _bounds(g, e, exact_low[i] if lows else 0.0, r, slack)
         else:
             err, err_low, err_high = error[i], error_low[i], error_high[i]
         finite = math.isfinite(g)
         spacing = _scale_ulp(s, precision, emin, max_finite)
-        a_unit = a / allowed if step else uniform_unit
+        # Below a quarter of spacing's own ULP, a / allowed leaves spacing + it at spacing: it is not computed
+        # (a float64 target's absolute allowance is near 2^-1022, and the quotient a subnormal number, each
+        # costing the CPU about a hundred cycles; the compiler computes both sides of a branch, so what is
+        # chosen is the dividend).
+        a_unit = (a if a >= allowed * spacing * 2.0**-56 else 0.0) / allowed
         unit = spacing + a_unit
         below = nan_max(s - r, 0.0)
         if math.isfinite(s) and below >= spacing * binade:  # s - r in s's binade: the same ULP
             unit_low = unit
         else:
-            unit_low = _scale_ulp(below, precision, emin, max_finite) + a_unit
+            unit_low = _scale_ulp(below, precision, emin, max_finite) + a / allowed
         u = err / unit if finite else math.inf
         u_high = err_high / unit_low if finite else math.inf
         right = flags and right_inf[i]

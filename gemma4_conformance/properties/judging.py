@@ -302,10 +302,12 @@ def _judged_in_blocks(entry, args, got, dtype) -> Verdict | None:
     that stay in the cache; the whole output's are never made), where the verdict needs no more: every
     output finite, every element decided within its budget, none at a zero scale, the largest error's
     printed digits and the trivial answers (zeros, the sign flipped) settled.  None otherwise, and where
-    the enclosure works in long double: the whole output's judging decides, from the start.  The blocks'
-    results fold as the loop's over the whole output would (a sum, maxima, the first element over its
-    budget, and and or), element by element the same numbers."""
-    if enclosures.work_type(format_of(dtype).precision) is not np.float64:
+    the enclosure works in long double (a float64 target's, but for the double-word enclosures of
+    ``enclosures.DOUBLE_WORD``): the whole output's judging decides, from the start.  The blocks' results
+    fold as the loop's over the whole output would (a sum, maxima, the first element over its budget, and
+    and or), element by element the same numbers."""
+    work = enclosures.work_type(format_of(dtype).precision)
+    if work is not np.float64 and entry.name not in enclosures.DOUBLE_WORD:
         return None
     _, _, allowed, constants = _allowance(entry, args, dtype)
     _, lead = CONTRACT[entry.name].bind(*args)
@@ -321,9 +323,10 @@ def _judged_in_blocks(entry, args, got, dtype) -> Verdict | None:
             if not np.isfinite(got64).all():
                 return None
             try:
-                mid, rad = entry.enclosure(*part, work=np.float64)
+                mid, rad = entry.enclosure(*part, work=work)
             except enclosures.NotEnclosed:
                 return None
+            mid, mid_low = mid if isinstance(mid, enclosures.DoubleWord) else (mid, np.zeros(0))
             exact64 = np.asarray(mid, dtype=np.float64).reshape((stop - start,) + got.shape[len(lead):])
             scale, absolute = entry.scale(tuple(a if name in WEIGHTS else widened(a)
                                                 for a, name in zip(part, CONTRACT[entry.name].arg_names)),
@@ -332,7 +335,8 @@ def _judged_in_blocks(entry, args, got, dtype) -> Verdict | None:
             absolute = np.full(1, absolute) if np.ndim(absolute) == 0 else np.broadcast_to(absolute, exact64.shape)
             block = slice(start * per_row, stop * per_row)
             (block_not_finite, zero_first, worst, block_least, block_most, block_uncertain, block_zeros,
-             block_flipped) = decision.verdict_units(_flat(got64), _flat(exact64), _flat(rad), *(np.zeros(0),) * 3,
+             block_flipped) = decision.verdict_units(_flat(got64), _flat(exact64), _flat(rad), _flat(mid_low),
+                                                     *(np.zeros(0),) * 3,
                                                      _flat(scale), _flat(absolute), *(np.zeros(0, dtype=bool),) * 2,
                                                      *constants, ulps[block], np.zeros(0), undecided[block])
         if zero_first >= 0 or worst >= 0 or undecided[block].any():
@@ -371,8 +375,9 @@ class _Stage:
     |got - exact| (``error``, within [``error_low``, ``error_high``]), and the correctly rounded
     result in the dtype where a verdict reads it (``rounded``).
 
-    A float64 enclosure's stage keeps ``enclosure`` (got, mid, rad) instead of the bounds: the
-    verdict's loop makes them as it goes, and they become arrays when first read (``settle``)."""
+    A float64 or double-word enclosure's stage keeps ``enclosure`` (got, mid, rad, the double word's low
+    part or nothing) instead of the bounds: the verdict's loop makes them as it goes, and they become
+    arrays when first read (``settle``)."""
 
     _BOUNDS = ("rad", "error", "error_low", "error_high")
 
@@ -385,8 +390,9 @@ class _Stage:
     def __getattr__(self, name):  # the bounds of an enclosure's stage, made when first read
         if name not in self._BOUNDS or self.__dict__.get("enclosure") is None:
             raise AttributeError(name)
-        got, mid, rad = self.enclosure
-        for key, bound in zip(self._BOUNDS, decision.stage_bounds(_flat(got), _flat(mid), _flat(rad), _SLACK)):
+        got, mid, rad, low = self.enclosure
+        for key, bound in zip(self._BOUNDS, decision.stage_bounds(_flat(got), _flat(mid), _flat(low), _flat(rad),
+                                                                  _SLACK)):
             setattr(self, key, bound.reshape(mid.shape))
         self.enclosure = None
         return getattr(self, name)
@@ -424,11 +430,13 @@ def _enclosed(entry, args, dtype, got) -> _Stage | None:
             mid, rad = entry.enclosure(*args, work=work)
     except enclosures.NotEnclosed:
         return None
+    if isinstance(mid, enclosures.DoubleWord):
+        return _double_word_stage(got, *mid, rad, f.dtype)
     mid = np.asarray(mid, dtype=work).reshape(got.shape)
     rad = np.asarray(rad, dtype=work).reshape(got.shape)
     if work is np.float64:
         exact64 = mid
-        enclosure = (got, mid, rad)
+        enclosure = (got, mid, rad, np.zeros(0))
     else:  # long double: its rounding to float64 adds to the radius
         rad = np.where(np.isnan(rad) | ~np.isfinite(mid), np.inf, rad)
         with np.errstate(all="ignore"):
@@ -454,6 +462,26 @@ def _enclosed(entry, args, dtype, got) -> _Stage | None:
     if enclosure is not None:
         return _Stage(exact64, None, None, None, None, rounded, enclosure)
     return _Stage(exact64, exact_rad, error, error_low, error_high, rounded)
+
+
+def _double_word_stage(got, high, low, rad, dtype) -> _Stage:
+    """A double-word enclosure's knowledge: exact64 is ``high``; the correctly rounded result is read from
+    both ends, each moved outward past its own rounding (high plus the end's rounded low part, nudged
+    outward by one of its ULPs, rounds as the end would, or more outward)."""
+    high, low, rad = (np.asarray(a, dtype=np.float64).reshape(got.shape) for a in (high, low, rad))
+
+    def rounded(mask):
+        out = np.full(mask.shape, np.nan)
+        if mask.any():
+            h, l, r = high[mask], low[mask], rad[mask]
+            r = np.where(np.isnan(r) | ~np.isfinite(h), np.inf, r)
+            with np.errstate(all="ignore"):
+                below, above = h + np.nextafter(l - r, -np.inf), h + np.nextafter(l + r, np.inf)
+                below, above = (end.astype(dtype).astype(np.float64) for end in (below, above))
+            out[mask] = np.where((below == above) & np.isfinite(r), below, np.nan)
+        return out
+
+    return _Stage(high, None, None, None, None, rounded, (got, high, rad, low))
 
 
 def _by_oracle(entry, args, dtype, got) -> _Stage:
@@ -563,10 +591,11 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
         right_inf, undecided_in = right_inf.reshape(-1), undecided_in.reshape(-1)
     flat_scale = _flat(scale)
     if stage.enclosure is not None:
-        _, mid, mid_rad = stage.enclosure
-        knowledge = (_flat(mid), _flat(mid_rad), *(np.zeros(0),) * 3)
+        _, mid, mid_rad, mid_low = stage.enclosure
+        knowledge = (_flat(mid), _flat(mid_rad), _flat(mid_low), *(np.zeros(0),) * 3)
     else:
-        knowledge = tuple(_flat(a) for a in (exact64, stage.rad, stage.error, stage.error_low, stage.error_high))
+        knowledge = tuple(_flat(a) for a in (exact64, stage.rad, np.zeros(0), stage.error, stage.error_low,
+                                             stage.error_high))
 
     def units(ulps_high):
         """The loop's outputs (``ulps_high`` where its array is given) and its other results."""

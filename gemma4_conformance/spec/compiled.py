@@ -289,7 +289,7 @@ def _fma(typingctx, x, y, z):
 
 
 @jit
-def _two_sum(x, y):
+def two_sum(x, y):
     """(s, e): s = fl(x + y) and x + y = s + e exactly (Knuth's TwoSum)."""
     s = x + y
     back = s - x
@@ -297,10 +297,175 @@ def _two_sum(x, y):
 
 
 @jit
-def _two_product(x, y):
+def two_product(x, y):
     """(p, e): p = fl(x y) and x y = p + e exactly (TwoProductFMA)."""
     p = x * y
     return p, _fma(x, y, -p)
+
+
+# Double-word arithmetic (a value as an unevaluated sum high + low of two float64s): the float64 target's
+# enclosures, whose radii must be far below float64's ULP.  Each operation below is a published algorithm
+# whose relative error, absent underflow and overflow, is at most 2 u^2 to 10 u^2 (Joldes, Muller and
+# Popescu, Tight and rigorous error bounds for basic building blocks of double-word arithmetic, 2017; Muller
+# and Rideau 2022 for the product of two; Lefevre, Louvet, Muller, Picot and Rideau 2022 for the square
+# root).  The kernels allow DOUBLE_WORD = 2^-100 = 64 u^2 each, and keep every value they bound at least
+# DOUBLE_WORD_LOWEST in magnitude (or exactly 0), so that no step underflows.
+DOUBLE_WORD = 2.0**-100
+DOUBLE_WORD_LOWEST, DOUBLE_WORD_HIGHEST = 2.0**-900, 2.0**1000
+
+
+@jit
+def _fast_two_sum(a, b):
+    """(s, e): s = fl(a + b) and a + b = s + e exactly, where |a| >= |b| (Dekker's Fast2Sum)."""
+    s = a + b
+    return s, b - (s - a)
+
+
+@jit
+def _dw_plus_fp(xh, xl, y):
+    """(xh + xl) + y: DWPlusFP, 2 u^2 (Joldes, Muller and Popescu's Algorithm 4)."""
+    sh, sl = two_sum(xh, y)
+    return _fast_two_sum(sh, xl + sl)
+
+
+@jit
+def _dw_times_fp(xh, xl, y):
+    """(xh + xl) y: DWTimesFP3, 2 u^2 (their Algorithm 9)."""
+    ch, cl = two_product(xh, y)
+    return _fast_two_sum(ch, _fma(xl, y, cl))
+
+
+@jit
+def _dw_times_dw(xh, xl, yh, yl):
+    """(xh + xl) (yh + yl): DWTimesDW3, 4 u^2 (their Algorithm 12; the bound is Muller and Rideau's)."""
+    ch, cl = two_product(xh, yh)
+    return _fast_two_sum(ch, cl + _fma(xl, yh, _fma(xh, yl, xl * yl)))
+
+
+@jit
+def _dw_divide_fp(xh, xl, y):
+    """(xh + xl) / y: DWDivFP3, 3 u^2 (their Algorithm 15)."""
+    th = xh / y
+    ph, pl = two_product(th, y)
+    return _fast_two_sum(th, (((xh - ph) - pl) + xl) / y)
+
+
+@jit
+def _dw_divide_dw(xh, xl, yh, yl):
+    """(xh + xl) / (yh + yl): DWDivDW2, 15 u^2 + 56 u^3 (their Algorithm 17)."""
+    th = xh / yh
+    rh, rl = _dw_times_fp(yh, yl, th)
+    return _fast_two_sum(th, ((xh - rh) + (xl - rl)) / yh)
+
+
+@jit
+def _dw_sqrt(xh, xl):
+    """sqrt(xh + xl) for xh > 0: 25/8 u^2 (Lefevre, Louvet, Muller, Picot and Rideau's SQRTDWtoDW)."""
+    sh = math.sqrt(xh)
+    return _fast_two_sum(sh, (xl + _fma(-sh, sh, xh)) / (2 * sh))
+
+
+@jit
+def root_double_word(x, H, mean, eps, high, low, rel):
+    """sqrt(sum_k x_k^2 / H + eps) per row of H (without / H where ``mean`` is false) as a double word,
+    and its relative error (``spec.enclosures.rms`` and the norms).  The sum of squares is Ogita, Rump and
+    Oishi's Dot2 on the float64 x (each square split exactly by TwoProductFMA, summed by TwoSum): it errs
+    by at most gamma_2H^2 of the sum (their Theorem 5.3 over its 2 H terms), taken twice for the computed
+    sum's own error, plus 2^-1073 for each x below 2^-510, whose square or its error may underflow.  A sum
+    below 2^-800 counts as 0 within twice itself (its quotient could underflow).  The quotient, the sum
+    with eps (terms >= 0: their relative errors pass on at most once) and the square root (which halves
+    what it is given) each add DOUBLE_WORD.  rel is inf where H u > 2^-22 or where the root's argument is
+    outside [DOUBLE_WORD_LOWEST, DOUBLE_WORD_HIGHEST] (the sum overflowed, or eps is 0 and the sum tiny)."""
+    n = 2 * H
+    gamma = n * U / (1 - n * U)
+    for row in range(high.size):
+        sh, sl, tiny = 0.0, 0.0, 0
+        for k in range(row * H, row * H + H):
+            product, error = two_product(x[k], x[k])
+            sh, rounding = two_sum(sh, product)
+            sl = sl + (rounding + error)
+            if x[k] != 0 and abs(x[k]) < 2.0**-510:
+                tiny += 1
+        sh, sl = _fast_two_sum(sh, sl)
+        error = 2 * gamma * gamma * sh + tiny * 2.0**-1073
+        if sh < 2.0**-800:
+            mh, ml, error = 0.0, 0.0, 2 * (sh + error)
+        elif mean:
+            mh, ml = _dw_divide_fp(sh, sl, H)
+            error = error / H + DOUBLE_WORD * mh
+        else:
+            mh, ml = sh, sl
+        th, tl = _dw_plus_fp(mh, ml, eps)
+        error = error + DOUBLE_WORD * th
+        if not (DOUBLE_WORD_LOWEST <= th <= DOUBLE_WORD_HIGHEST) or n * U > 2.0**-21:
+            high[row], low[row], rel[row] = th, tl, math.inf
+        else:
+            high[row], low[row] = _dw_sqrt(th, tl)
+            rel[row] = error / th / 2 + DOUBLE_WORD
+
+
+@jit
+def normalised_double_word(x, H, root_high, root_low, root_rel, kind, w, w_step, margin, high, low, rad):
+    """x / root per row of H (``root_double_word``) as a double word, times a factor by ``kind``: 0 none,
+    1 w, 2 (1 + w) (exact by TwoSum); w's row is w[row * w_step:].  The root's reciprocal (DWDivDW) and
+    each product add DOUBLE_WORD.  A result is exactly 0 where x or the factor is; otherwise rad is inf where x / root or the
+    result is outside [DOUBLE_WORD_LOWEST, DOUBLE_WORD_HIGHEST] (or not finite)."""
+    for row in range(root_high.size):
+        rh, rl = _dw_divide_dw(1.0, 0.0, root_high[row], root_low[row])
+        for j in range(H):
+            i = row * H + j
+            nh, nl = _dw_times_fp(rh, rl, x[i])
+            relative = root_rel[row] + 2 * DOUBLE_WORD
+            factor = 1.0
+            if kind == 1:
+                factor = w[row * w_step + j]
+                yh, yl = _dw_times_fp(nh, nl, factor)
+                relative += DOUBLE_WORD
+            elif kind == 2:
+                factor, factor_low = two_sum(1.0, w[row * w_step + j])
+                yh, yl = _dw_times_dw(nh, nl, factor, factor_low)
+                relative += DOUBLE_WORD
+            else:
+                yh, yl = nh, nl
+            high[i], low[i] = yh, yl
+            if yh == 0 and (x[i] == 0 or factor == 0):
+                rad[i] = 0.0
+            elif DOUBLE_WORD_LOWEST <= abs(nh) <= DOUBLE_WORD_HIGHEST and \
+                    DOUBLE_WORD_LOWEST <= abs(yh) <= DOUBLE_WORD_HIGHEST:
+                rad[i] = relative * abs(yh) * margin
+            else:
+                rad[i] = math.inf
+
+
+@jit
+def _product_underflow(p, a, b):
+    """What TwoProductFMA's p + e may miss of a b: 2^-1074 where the product is below 2^-969 (p or e
+    may then be subnormal), else 0."""
+    return 2.0**-1074 if abs(p) < 2.0**-969 and a != 0 and b != 0 else 0.0
+
+
+@jit
+def residual_double_word(r, x, h, margin, high, low, rad):
+    """x + r h as a double word: r h split exactly by TwoProductFMA, plus x by DWPlusFP (DOUBLE_WORD of
+    the result, cancellation or not: additions never underflow); inf past DOUBLE_WORD_HIGHEST."""
+    for i in range(x.size):
+        product, error = two_product(r, h[i])
+        yh, yl = _dw_plus_fp(product, error, x[i])
+        high[i], low[i] = yh, yl
+        if abs(yh) <= DOUBLE_WORD_HIGHEST and abs(product) <= DOUBLE_WORD_HIGHEST:
+            rad[i] = (DOUBLE_WORD * abs(yh) + _product_underflow(product, r, h[i])) * margin
+        else:
+            rad[i] = math.inf
+
+
+@jit
+def scaled_double_word(c, x, high, low, rad):
+    """c x as a double word, exactly (TwoProductFMA) but for ``_product_underflow``; inf past
+    DOUBLE_WORD_HIGHEST."""
+    for i in range(x.size):
+        yh, yl = two_product(c, x[i])
+        high[i], low[i] = yh, yl
+        rad[i] = _product_underflow(yh, c, x[i]) if abs(yh) <= DOUBLE_WORD_HIGHEST else math.inf
 
 
 @jit
@@ -321,8 +486,8 @@ def weighted_sums(p_high, p_low, v, high, low):
             a, b = p_high[r, l], p_low[r, l]
             for d in range(D):
                 x = v[l, d]
-                product, error = _two_product(a, x)
-                high[r, d], rounding = _two_sum(high[r, d], product)
+                product, error = two_product(a, x)
+                high[r, d], rounding = two_sum(high[r, d], product)
                 low[r, d] = low[r, d] + (rounding + error + b * x)
 
 
@@ -359,18 +524,18 @@ def dot_sums(a, b, high, low, magnitude, b_sums):
                 lanes_high[j], lanes_low[j], lanes_magnitude[j] = 0.0, 0.0, 0.0
             for start in range(0, full, DOT_LANES):
                 for j in range(DOT_LANES):
-                    product, error = _two_product(a[r, start + j], b[n, start + j])
-                    lanes_high[j], rounding = _two_sum(lanes_high[j], product)
+                    product, error = two_product(a[r, start + j], b[n, start + j])
+                    lanes_high[j], rounding = two_sum(lanes_high[j], product)
                     lanes_low[j] = lanes_low[j] + (rounding + error)
                     lanes_magnitude[j] = lanes_magnitude[j] + abs(product)
             h, l, m = 0.0, 0.0, 0.0
             for j in range(DOT_LANES):
-                h, rounding = _two_sum(h, lanes_high[j])
+                h, rounding = two_sum(h, lanes_high[j])
                 l = l + (rounding + lanes_low[j])
                 m = m + lanes_magnitude[j]
             for k in range(full, K):
-                product, error = _two_product(a[r, k], b[n, k])
-                h, rounding = _two_sum(h, product)
+                product, error = two_product(a[r, k], b[n, k])
+                h, rounding = two_sum(h, product)
                 l = l + (rounding + error)
                 m = m + abs(product)
             high[r, n], low[r, n], magnitude[r, n] = h, l, m

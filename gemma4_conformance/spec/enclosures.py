@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from fractions import Fraction
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,6 +61,22 @@ def _compiled(kernel, shape, *args):
     mid, rad = np.empty(shape), np.empty(shape)
     kernel(*args, mid.reshape(-1), rad.reshape(-1))
     return mid, rad
+
+
+class DoubleWord(NamedTuple):
+    """A float64 target's mid as the unevaluated sum high + low of two float64 arrays: the double-word
+    kernels of ``spec.compiled``, whose radii lie far inside float64's ULP (long double's 11 more bits
+    leave the largest error's printed digits to the oracle)."""
+
+    high: np.ndarray
+    low: np.ndarray
+
+
+def _double_word(kernel, shape, *args) -> tuple[DoubleWord, np.ndarray]:
+    """A double-word kernel's (DoubleWord mid, rad) of the given shape."""
+    high, low, rad = np.empty(shape), np.empty(shape), np.empty(shape)
+    kernel(*args, high.reshape(-1), low.reshape(-1), rad.reshape(-1))
+    return DoubleWord(high, low), rad
 
 
 class _Work:
@@ -186,7 +203,22 @@ def _mean_square_root(w: _Work, eps, x, mean: bool):
     return np.sqrt(total), rel
 
 
+def _root_double_word(eps, x, mean: bool):
+    """``compiled.root_double_word``'s (high, low, relative error) per row."""
+    eps = _Work(np.float64).real(eps)
+    if eps < 0:
+        raise NotEnclosed("a negative eps")
+    high, low, rel = (np.empty(x.shape[:-1]) for _ in range(3))
+    compiled.root_double_word(_flat(x), x.shape[-1], mean, eps, high.reshape(-1), low.reshape(-1), rel.reshape(-1))
+    if np.any(high == 0):
+        raise NotEnclosed("a zero norm (Lean's x / 0 = 0, the oracle's definition)")
+    return high, low, rel
+
+
 def rms(eps, x, *, work):
+    if work is not np.float64:
+        high, low, rel = _root_double_word(eps, np.asarray(x), True)
+        return DoubleWord(high, low), np.where(np.isfinite(rel), rel * high * MARGIN, np.inf)
     w = _Work(work)
     y, rel = _mean_square_root(w, eps, x, True)
     return y, w.rad(y, rel)
@@ -198,51 +230,46 @@ def _normalised(w: _Work, eps, x, mean=True):
     return w.array(x) / r[..., None], rel[..., None] + w.u
 
 
-def _normalised_compiled(eps, x, kind, w=None, z=None, mean=True):
-    """``compiled.normalised``: x / rms per row, times the factor of ``kind``."""
-    x = np.asarray(x)
-    root, rel = _mean_square_root(_Work(np.float64), eps, x, mean)
+def _row_weights(w, x):
+    """A norm's weights as its kernels take them: (flat, the step between rows: 0 where one row is for all)."""
     H = x.shape[-1]
-    if w is None or np.shape(w) == (H,):  # one row of weights for all
-        weights, step = _flat(np.zeros(0) if w is None else w), 0
-    else:
-        weights, step = _flat(np.broadcast_to(w, x.shape)), H
+    if w is None or np.shape(w) == (H,):
+        return _flat(np.zeros(0) if w is None else w), 0
+    return _flat(np.broadcast_to(w, x.shape)), H
+
+
+def _normalised_compiled(eps, x, kind, w=None, z=None, mean=True, *, work):
+    """x / rms per row, times the factor of ``kind``: ``compiled.normalised`` for the narrow targets, and
+    ``compiled.normalised_double_word`` for float64 (``work`` long double), which has no gate (``z``)."""
+    x = np.asarray(x)
+    weights, step = _row_weights(w, x)
+    if z is None and work is not np.float64:
+        high, low, rel = _root_double_word(eps, x, mean)
+        return _double_word(compiled.normalised_double_word, x.shape, _flat(x), x.shape[-1], _flat(high), _flat(low),
+                            _flat(rel), kind, weights, step, _MARGIN64)
+    root, rel = _mean_square_root(_Work(np.float64), eps, x, mean)
     gate = _flat(np.zeros(0) if z is None else np.broadcast_to(z, x.shape))
-    return _compiled(compiled.normalised, x.shape, _flat(x), H, _flat(root), _flat(rel), kind, weights, step, gate,
-                     _E64, _MARGIN64)
+    return _compiled(compiled.normalised, x.shape, _flat(x), x.shape[-1], _flat(root), _flat(rel), kind, weights, step,
+                     gate, _E64, _MARGIN64)
 
 
 def rmsnorm(eps, x, w, *, work):
-    if work is np.float64:
-        return _normalised_compiled(eps, x, 1, w)
-    fp = _Work(work)
-    n, rel = _normalised(fp, eps, x)
-    y = n * fp.array(w)
-    return y, fp.rad(y, rel + fp.u)
+    return _normalised_compiled(eps, x, 1, w, work=work)
 
 
 def rmsnorm_offset(eps, x, w, *, work):
     """(1 + w) rounds once (u, relative to itself whatever the cancellation), the product (u)."""
-    if work is np.float64:
-        return _normalised_compiled(eps, x, 2, w)
-    fp = _Work(work)
-    n, rel = _normalised(fp, eps, x)
-    y = n * (1 + fp.array(w))
-    return y, fp.rad(y, rel + 2 * fp.u)
+    return _normalised_compiled(eps, x, 2, w, work=work)
 
 
 def rmsnorm_unit(eps, x, *, work):
-    if work is np.float64:
-        return _normalised_compiled(eps, x, 0)
-    w = _Work(work)
-    y, rel = _normalised(w, eps, x)
-    return y, w.rad(y, rel)
+    return _normalised_compiled(eps, x, 0, work=work)
 
 
 def rmsnorm_gated(eps, x, z, w, *, work):
     """w (x / rms) silu(z): silu's relative error and absolute part, two more roundings."""
     if work is np.float64:
-        return _normalised_compiled(eps, x, 3, w, z)
+        return _normalised_compiled(eps, x, 3, w, z, work=work)
     fp = _Work(work)
     n, rel = _normalised(fp, eps, x)
     z = fp.array(z)
@@ -253,11 +280,7 @@ def rmsnorm_gated(eps, x, z, w, *, work):
 
 
 def l2norm(eps, x, *, work):
-    if work is np.float64:
-        return _normalised_compiled(eps, x, 0, mean=False)
-    w = _Work(work)
-    y, rel = _normalised(w, eps, x, mean=False)
-    return y, w.rad(y, rel)
+    return _normalised_compiled(eps, x, 0, mean=False, work=work)
 
 
 def rope(theta, rot, denom, active, pos, x, *, work):
@@ -358,23 +381,20 @@ def gelu_mul(gu, *, work):
 def residual(r, x, h, *, work):
     """x + r h: the product and the sum round (the sum's error relative to the result; the product's
     to |r h|, since the sum may cancel it)."""
-    w = _Work(work)
-    r = w.real(r)
+    r = _Work(np.float64).real(r)
+    x, h = np.broadcast_arrays(np.asarray(x), np.asarray(h))
     if work is np.float64:
-        x, h = np.broadcast_arrays(np.asarray(x), np.asarray(h))
         return _compiled(compiled.residual, x.shape, r, _flat(x), _flat(h), _MARGIN64)
-    product = r * w.array(h)
-    y = w.array(x) + product
-    return y, w.rad(y, w.u, w.u * np.abs(product) * 2 + 2 * w.tiny)
+    return _double_word(compiled.residual_double_word, x.shape, r, _flat(x), _flat(h), _MARGIN64)
 
 
 def embed(c, E, tokens, *, work):
-    w = _Work(work)
+    """c E[token]: one rounding in the narrow targets; for float64 exact as a double word."""
+    c = _Work(np.float64).real(c)
     rows = np.asarray(E)[np.asarray(tokens)]
     if work is np.float64:
-        return _compiled(compiled.scaled, rows.shape, w.real(c), _flat(rows), _MARGIN64)
-    y = w.real(c) * w.array(rows)
-    return y, w.rad(y, w.u, 2 * w.tiny)
+        return _compiled(compiled.scaled, rows.shape, c, _flat(rows), _MARGIN64)
+    return _double_word(compiled.scaled_double_word, rows.shape, c, _flat(rows))
 
 
 def lm_head(mul, cap, W, x, *, work):
@@ -525,6 +545,9 @@ def sigmoid_gate(o, gate, *, work):
     y = o * s
     return y, w.rad(y, rel + w.u, 2 * w.tiny * (1 + np.abs(o)))
 
+
+# The ops whose float64 target's enclosure is a double word (the others' is long double).
+DOUBLE_WORD = frozenset({"rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "l2norm", "residual", "embed"})
 
 ENCLOSURES = {fn.__name__: fn for fn in (
     sigmoid, silu, gelu_tanh, softcap, rms, rmsnorm, rmsnorm_offset, rmsnorm_unit, rmsnorm_gated, l2norm,

@@ -1,0 +1,95 @@
+"""The float64 target's double-word enclosures (spec.compiled's double-word kernels) hold the oracle's exact
+results on rows drawn across float64's whole range, and are as tight as they claim where they bound."""
+
+from __future__ import annotations
+
+import mpmath
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gemma4_conformance import spec
+from gemma4_conformance.spec import enclosures
+from gemma4_conformance.spec.compiled import DOUBLE_WORD_HIGHEST, DOUBLE_WORD_LOWEST
+
+from .test_enclosures import as_mpf
+
+# Magnitudes from the subnormal numbers to past the kernels' range, zeros, and signs.
+values = st.one_of(
+    st.floats(min_value=-2.0**600, max_value=2.0**600, allow_nan=False, allow_subnormal=True),
+    st.integers(-1074, 520).map(lambda e: 2.0**e), st.just(0.0), st.floats(-4, 4, allow_nan=False))
+epsilons = st.sampled_from([0.0, 1e-6, 2.0**-1000, 1.0, 2.0**-60])
+some = settings(max_examples=300, deadline=None, database=None, derandomize=True,
+                suppress_health_check=list(HealthCheck))
+TIGHT = 2.0**-75  # relative: the chains' bounds are about 2^-82 of the result at H = 3840, and below it here
+
+
+@st.composite
+def double_word_cases(draw):
+    """(op, args) of a double-word op on 1 to 3 rows of 1 to 9 float64 values."""
+    op = draw(st.sampled_from(sorted(enclosures.DOUBLE_WORD)))
+    R, H = draw(st.integers(1, 3)), draw(st.integers(1, 9))
+    x = np.array(draw(st.lists(values, min_size=R * H, max_size=R * H))).reshape(R, H)
+    w = np.array(draw(st.lists(values | st.floats(-1.001, -0.999), min_size=H, max_size=H)))
+    eps = draw(epsilons)
+    if op == "residual":  # h near -x / r as well: x + r h cancels
+        r = draw(st.sampled_from([1.0, 0.5, 3.0, 2.0**-1000]))
+        near = np.array(draw(st.lists(st.booleans(), min_size=R * H, max_size=R * H))).reshape(R, H)
+        others = np.array(draw(st.lists(values, min_size=R * H, max_size=R * H))).reshape(R, H)
+        with np.errstate(over="ignore"):
+            h = np.where(near, -x / r * (1 + 2.0**-52), others)
+        return op, (r, x, h)
+    if op == "embed":
+        return op, (draw(st.sampled_from([1.0, 61.97, 2.0**-600, 3.0**30])), x, np.arange(R)[::-1])
+    return op, {"rms": (eps, x), "rmsnorm": (eps, x, w), "rmsnorm_offset": (eps, x, w), "rmsnorm_unit": (eps, x),
+                "l2norm": (eps, x)}[op]
+
+
+def _checked(op, args):
+    """The enclosure against the oracle: (bounded elements, in-range bounded elements)."""
+    try:
+        (high, low), rad = enclosures.ENCLOSURES[op](*args, work=np.longdouble)
+    except enclosures.NotEnclosed:
+        return 0, 0
+    with mpmath.workprec(4096):  # every sum exact: the oracle's squares of 2^600 and of 2^-1074 together
+        exact = np.asarray(spec.ORACLES[op](*args), dtype=object).reshape(rad.shape)
+        bounded = np.isfinite(rad)
+        mid = as_mpf(np.where(bounded, high, 0)) + as_mpf(np.where(bounded, low, 0))
+        radius = as_mpf(np.where(bounded, rad, 0))
+        for i in zip(*np.nonzero(bounded)):
+            assert abs(exact[i] - mid[i]) <= radius[i], (op, args, i, exact[i], mid[i], radius[i])
+    in_range = bounded & (np.abs(high) >= DOUBLE_WORD_LOWEST) & (np.abs(high) <= DOUBLE_WORD_HIGHEST)
+    assert (rad[in_range] <= TIGHT * np.abs(high[in_range])).all(), (op, args)
+    return int(bounded.sum()), int(in_range.sum())
+
+
+def test_double_word_enclosures_hold_the_oracle_and_are_tight():
+    """Every bounded element's exact result lies within its radius, the radius is at most TIGHT of the
+    result where it lies in the kernels' range, and most drawn elements are bounded (the kernels' range
+    is not so narrow that the oracle judges everything)."""
+    counts = []
+
+    @some
+    @given(double_word_cases())
+    def drawn(case):
+        counts.append(_checked(*case))
+
+    drawn()
+    bounded, in_range = map(sum, zip(*counts))
+    assert in_range > 0.5 * bounded > 0
+
+
+def test_a_radius_without_the_squares_bound_is_caught(monkeypatch):
+    """The check above fails where a kernel leaves out the sum of squares' own error: it is not empty."""
+    right = enclosures.ENCLOSURES["rms"]
+
+    def narrowed(eps, x, *, work):
+        (high, low), rad = right(eps, x, work=work)
+        return enclosures.DoubleWord(high, low), rad * 2.0**-60
+
+    monkeypatch.setitem(enclosures.ENCLOSURES, "rms", narrowed)
+    try:
+        _checked("rms", (0.0, np.array([[1.0 + 2.0**-52, 3.0, 2.0**-30, 7.0, 5.0]])))
+    except AssertionError:
+        return
+    raise AssertionError("a radius 2^60 times too small passed")
