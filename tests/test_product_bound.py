@@ -1,4 +1,4 @@
-"""The products' first stage from float64 BLAS (spec.exact.dots_enclosure, sums_of_squares_enclosure)
+"""The products' first stage from float64 BLAS (spec.exact.dots_enclosure)
 holds the exact sums of spec.exact.dots on every draw, where its a-priori bound is tightest."""
 
 from __future__ import annotations
@@ -76,17 +76,6 @@ def test_dots_enclosure_holds_the_exact_sums(pair):
     assert np.isfinite(rad).all(), "every product and sum of a narrow format is finite in float64"
     exact = exact_sums_of(a, b)
     assert not outside(exact, mid, rad), f"{a.dtype}, K = {a.shape[-1]}: the exact sum is outside mid ± rad"
-
-
-@settings(max_examples=30, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(operands())
-def test_sums_of_squares_enclosure_holds_the_exact_sums(pair):
-    x, _ = pair
-    mid, rad = exact_sums.sums_of_squares_enclosure(x, np.float64)
-    with mpmath.workprec(128):
-        exact = np.asarray(exact_sums.sums_of_squares(x), dtype=object)  # rounded to 128 bits: within 2^-128
-    with mpmath.workprec(4000):
-        assert all(abs(e - as_mpf(m)) <= as_mpf(r) + abs(e) * mpmath.mpf(2) ** -120 for e, m, r in zip(exact, mid, rad))
 
 
 def _losing_everything():

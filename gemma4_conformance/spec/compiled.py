@@ -329,6 +329,15 @@ def _dw_plus_fp(xh, xl, y):
 
 
 @jit
+def _dw_plus_dw(xh, xl, yh, yl):
+    """(xh + xl) + (yh + yl): AccurateDWPlusDW, 3 u^2 + 13 u^3 (their Algorithm 6)."""
+    sh, sl = two_sum(xh, yh)
+    th, tl = two_sum(xl, yl)
+    vh, vl = _fast_two_sum(sh, sl + th)
+    return _fast_two_sum(vh, tl + vl)
+
+
+@jit
 def _dw_times_fp(xh, xl, y):
     """(xh + xl) y: DWTimesFP3, 2 u^2 (their Algorithm 9)."""
     ch, cl = two_product(xh, y)
@@ -363,6 +372,131 @@ def _dw_sqrt(xh, xl):
     """sqrt(xh + xl) for xh > 0: 25/8 u^2 (Lefevre, Louvet, Muller, Picot and Rideau's SQRTDWtoDW)."""
     sh = math.sqrt(xh)
     return _fast_two_sum(sh, (xl + _fma(-sh, sh, xh)) / (2 * sh))
+
+
+def _exp_constants():
+    """ln 2 / 256 as C1 + C2 + C3 (C1 of 35 bits, so that n C1 is exact for |n| < 2^18) and the table
+    2^(j/256), j < 256, as double words (high, low): each rounded to nearest from 300 bits (mpmath)."""
+    import mpmath
+
+    with mpmath.workprec(300):
+        c = mpmath.log(2) / 256
+        c1 = float(mpmath.ldexp(mpmath.nint(mpmath.ldexp(c, 43)), -43))  # c < 2^-8: 35 significant bits
+        c2 = float(c - c1)
+        c3 = float(c - c1 - c2)
+        powers = [mpmath.power(2, mpmath.mpf(j) / 256) for j in range(256)]
+        high = np.array([float(p) for p in powers])
+        low = np.array([float(p - mpmath.mpf(float(p))) for p in powers])
+    return 256 / math.log(2), c1, c2, c3, high, low
+
+
+_EXP_SCALE, _LN2_C1, _LN2_C2, _LN2_C3, _EXP_HIGH, _EXP_LOW = _exp_constants()
+# e^y's relative error bound (``_exp_double_word``) and the range of y it holds on.
+EXP_DOUBLE_WORD = 2.0**-76
+EXP_LOWEST, EXP_HIGHEST = -707.0, 709.0
+
+
+@jit
+def _exp_double_word(y):
+    """e^y for EXP_LOWEST <= y <= EXP_HIGHEST as a double word, within EXP_DOUBLE_WORD of it relatively
+    and 2^-1074 absolutely (its low part may be subnormal).  y = n ln 2 / 256 + r, n = rint(256 y / ln 2)
+    (|n| < 2^18, |r| <= 2^-9.4).  n C1 is exact, and so is y - n C1 (both are multiples of y's ULP, or of
+    2^-43, a multiple of it, and the difference is below 2^-9.4); r = (y - n C1) - n C2 - n C3 as a double
+    word (n C2 split by TwoProductFMA) is off by under 2^-105 (roundings of terms below 2^-62, and n times
+    ln 2 / 256 - C1 - C2 - C3 < 2^-150).  e^r = 1 + r + r^2 / 2 + r^3 P(r), P the Taylor polynomial to
+    r^4 / 5040, which leaves out under 2^-90 of e^r; r^3 P(r), below 2^-30.8, is computed in float64 from
+    r's high part (its 12 roundings, its coefficients' included, and r's low part leave under 2^-79.5 of
+    e^r), the rest as double words (DOUBLE_WORD each).  Times 2^(j/256), j = n mod 256 (a double word
+    within u^2 of it; DOUBLE_WORD), and 2^k, k = (n - j) / 256 (exact while the high part is normal: y >=
+    -707).  These sum to under 2^-79: EXP_DOUBLE_WORD is eight times that."""
+    n = float(math.floor(y * _EXP_SCALE + 0.5))
+    j = int(n) & 255
+    k = (int(n) - j) >> 8
+    p2h, p2l = two_product(n, _LN2_C2)
+    sh, e = two_sum(y - n * _LN2_C1, -p2h)
+    rh, rl = _fast_two_sum(sh, (e - p2l) - n * _LN2_C3)
+    tail = rh * rh * rh * (1 / 6 + rh * (1 / 24 + rh * (1 / 120 + rh * (1 / 720 + rh / 5040))))
+    qh, ql = _dw_times_dw(rh, rl, rh, rl)
+    mh, ml = _dw_plus_dw(rh, rl, 0.5 * qh, 0.5 * ql)
+    mh, ml = _dw_plus_fp(mh, ml, tail)
+    eh, el = _dw_plus_fp(mh, ml, 1.0)
+    zh, zl = _dw_times_dw(_EXP_HIGH[j], _EXP_LOW[j], eh, el)
+    return math.ldexp(zh, k), math.ldexp(zl, k)
+
+
+@jit
+def _sigmoid_double_word(x):
+    """1 / (1 + e^-x) as (high, low, relative error, absolute error): e^-x (``_exp_double_word``), 1 + it
+    (DWPlusFP: its error passes on at most once, the sum being >= 1) and the reciprocal (DWDivDW), each
+    adding DOUBLE_WORD.  Past -x > 620 the result lies in (0, 2^-894): 0 within 2^-894; below -x < EXP_LOWEST,
+    in (1 - 2^-1020, 1): 1 within 2^-1020.  nan: inf."""
+    y = -x
+    if y != y:
+        return y, 0.0, math.inf, 0.0
+    if y > 620.0:
+        return 0.0, 0.0, 0.0, 2.0**-894
+    if y < EXP_LOWEST:
+        return 1.0, 0.0, 0.0, 2.0**-1020
+    eh, el = _exp_double_word(y)
+    dh, dl = _dw_plus_fp(eh, el, 1.0)
+    error = EXP_DOUBLE_WORD * eh + 2.0**-1074 + DOUBLE_WORD * dh
+    sh, sl = _dw_divide_dw(1.0, 0.0, dh, dl)
+    return sh, sl, error / dh + DOUBLE_WORD, 0.0
+
+
+@jit
+def _double_word_rad(high, relative, absolute, exact_zero, margin):
+    """A double-word result's radius: 0 where it is exactly 0 (``exact_zero``: a factor is 0), relative
+    |high| + absolute with the margin where high lies in [DOUBLE_WORD_LOWEST, DOUBLE_WORD_HIGHEST] or is 0
+    with an absolute part (a product with the 0 of ``_sigmoid_double_word``'s extreme: exact), inf
+    elsewhere."""
+    if exact_zero:
+        return 0.0
+    magnitude = abs(high)
+    if DOUBLE_WORD_LOWEST <= magnitude <= DOUBLE_WORD_HIGHEST or (magnitude == 0 and absolute > 0):
+        return (relative * magnitude + absolute) * margin
+    return math.inf
+
+
+@jit
+def sigmoid_double_word(x, margin, high, low, rad):
+    for i in range(x.size):
+        sh, sl, relative, absolute = _sigmoid_double_word(x[i])
+        high[i], low[i], rad[i] = sh, sl, _double_word_rad(sh, relative, absolute, False, margin)
+
+
+@jit
+def silu_double_word(x, margin, high, low, rad):
+    """x sigmoid(x): one more product (DWTimesFP)."""
+    for i in range(x.size):
+        sh, sl, relative, absolute = _sigmoid_double_word(x[i])
+        yh, yl = _dw_times_fp(sh, sl, x[i])
+        high[i], low[i] = yh, yl
+        rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, absolute * abs(x[i]), x[i] == 0, margin)
+
+
+@jit
+def silu_mul_double_word(gate, up, margin, high, low, rad):
+    """silu(gate) up: two more products."""
+    for i in range(gate.size):
+        g = gate[i]
+        sh, sl, relative, absolute = _sigmoid_double_word(g)
+        yh, yl = _dw_times_fp(sh, sl, g)
+        yh, yl = _dw_times_fp(yh, yl, up[i])
+        high[i], low[i] = yh, yl
+        zero = (g == 0 or up[i] == 0) and math.isfinite(g) and math.isfinite(up[i])
+        rad[i] = _double_word_rad(yh, relative + 2 * DOUBLE_WORD, absolute * abs(g) * abs(up[i]), zero, margin)
+
+
+@jit
+def sigmoid_gate_double_word(o, gate, margin, high, low, rad):
+    """o sigmoid(gate): one more product."""
+    for i in range(o.size):
+        sh, sl, relative, absolute = _sigmoid_double_word(gate[i])
+        yh, yl = _dw_times_fp(sh, sl, o[i])
+        high[i], low[i] = yh, yl
+        zero = o[i] == 0 and math.isfinite(gate[i])
+        rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, absolute * abs(o[i]), zero, margin)
 
 
 @jit
@@ -405,36 +539,49 @@ def root_double_word(x, H, mean, eps, high, low, rel):
 
 
 @jit
-def normalised_double_word(x, H, root_high, root_low, root_rel, kind, w, w_step, margin, high, low, rad):
+def normalised_double_word(x, H, root_high, root_low, root_rel, kind, w, w_step, z, margin, high, low, rad):
     """x / root per row of H (``root_double_word``) as a double word, times a factor by ``kind``: 0 none,
-    1 w, 2 (1 + w) (exact by TwoSum); w's row is w[row * w_step:].  The root's reciprocal (DWDivDW) and
-    each product add DOUBLE_WORD.  A result is exactly 0 where x or the factor is; otherwise rad is inf where x / root or the
-    result is outside [DOUBLE_WORD_LOWEST, DOUBLE_WORD_HIGHEST] (or not finite)."""
+    1 w, 2 (1 + w) (exact by TwoSum), 3 w silu(z) (``_sigmoid_double_word``, three more products); w's row
+    is w[row * w_step:].  The root's reciprocal (DWDivDW) and each product add DOUBLE_WORD.  A result is
+    exactly 0 where x or a factor is 0 and the rest finite; otherwise rad is inf where x / root is outside [DOUBLE_WORD_LOWEST,
+    DOUBLE_WORD_HIGHEST], and as ``_double_word_rad`` says."""
     for row in range(root_high.size):
         rh, rl = _dw_divide_dw(1.0, 0.0, root_high[row], root_low[row])
         for j in range(H):
             i = row * H + j
             nh, nl = _dw_times_fp(rh, rl, x[i])
-            relative = root_rel[row] + 2 * DOUBLE_WORD
-            factor = 1.0
+            relative, absolute = root_rel[row] + 2 * DOUBLE_WORD, 0.0
+            zero = x[i] == 0
             if kind == 1:
                 factor = w[row * w_step + j]
                 yh, yl = _dw_times_fp(nh, nl, factor)
                 relative += DOUBLE_WORD
+                zero = zero or factor == 0
             elif kind == 2:
                 factor, factor_low = two_sum(1.0, w[row * w_step + j])
                 yh, yl = _dw_times_dw(nh, nl, factor, factor_low)
                 relative += DOUBLE_WORD
+                zero = zero or factor == 0
+            elif kind == 3:
+                factor = w[row * w_step + j]
+                wh, wl = _dw_times_fp(nh, nl, factor)
+                sh, sl, relative_s, absolute_s = _sigmoid_double_word(z[i])
+                sh, sl = _dw_times_fp(sh, sl, z[i])
+                yh, yl = _dw_times_dw(wh, wl, sh, sl)
+                relative += relative_s + 3 * DOUBLE_WORD
+                absolute = absolute_s * abs(z[i]) * abs(wh) * (1 + 2.0**-40)
+                zero = zero or factor == 0 or z[i] == 0
             else:
                 yh, yl = nh, nl
+            zero = zero and math.isfinite(x[i]) and (kind == 0 or math.isfinite(w[row * w_step + j])) and \
+                (kind != 3 or math.isfinite(z[i]))
+            if zero:  # the exact result is 0 whatever the root (which may have overflowed)
+                yh, yl = 0.0, 0.0
             high[i], low[i] = yh, yl
-            if yh == 0 and (x[i] == 0 or factor == 0):
-                rad[i] = 0.0
-            elif DOUBLE_WORD_LOWEST <= abs(nh) <= DOUBLE_WORD_HIGHEST and \
-                    DOUBLE_WORD_LOWEST <= abs(yh) <= DOUBLE_WORD_HIGHEST:
-                rad[i] = relative * abs(yh) * margin
-            else:
+            if not zero and not DOUBLE_WORD_LOWEST <= abs(nh) <= DOUBLE_WORD_HIGHEST:
                 rad[i] = math.inf
+            else:
+                rad[i] = _double_word_rad(yh, relative, absolute, zero, margin)
 
 
 @jit

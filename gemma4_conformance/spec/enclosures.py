@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import compiled
-from .exact import dots_enclosure, sums_of_squares_enclosure, widened
+from .exact import dots_enclosure, widened
 
 
 class NotEnclosed(Exception):
@@ -112,32 +112,21 @@ class _Work:
         return np.where(np.isfinite(mid), r, np.inf).astype(self.type)
 
 
-def _sigmoid(w: _Work, x):
+def sigmoid(x, *, work):
     """1 / (1 + exp(-x)) and its relative error: exp errs by E, 1 + e passes on at most e/(1 + e) <= 1
     of it and rounds (u), the quotient rounds (u).  Where exp(-x) overflows the result is 0 within
-    1 / max <= tiny; where it underflows, 1 + e is off by at most tiny."""
-    with np.errstate(over="ignore"):
-        y = 1 / (1 + np.exp(-x))
-    return y, w.elementary + 2 * w.u
-
-
-def sigmoid(x, *, work):
+    1 / max <= tiny; where it underflows, 1 + e is off by at most tiny.  For float64 (every op with a
+    sigmoid): a double word, ``compiled._sigmoid_double_word``."""
     if work is np.float64:
         return _compiled(compiled.sigmoid, np.shape(x), _flat(x), _E64, _MARGIN64)
-    w = _Work(work)
-    y, rel = _sigmoid(w, w.array(x))
-    return y, w.rad(y, rel, 2 * w.tiny)
+    return _double_word(compiled.sigmoid_double_word, np.shape(x), _flat(x), _MARGIN64)
 
 
 def silu(x, *, work):
     """x sigmoid(x): one more rounding; sigmoid's absolute part scaled by |x|."""
     if work is np.float64:
         return _compiled(compiled.silu, np.shape(x), _flat(x), _E64, _MARGIN64)
-    w = _Work(work)
-    x = w.array(x)
-    s, rel = _sigmoid(w, x)
-    y = x * s
-    return y, w.rad(y, rel + w.u, 2 * w.tiny * (1 + np.abs(x)))
+    return _double_word(compiled.silu_double_word, np.shape(x), _flat(x), _MARGIN64)
 
 
 # sqrt(2/pi) and 0.044715 in float64 and in long double, each rounded once from the real constant.
@@ -189,11 +178,8 @@ def _mean_square_root(w: _Work, eps, x, mean: bool):
     eps = w.real(eps)
     if eps < 0:
         raise NotEnclosed("a negative eps")
-    H = x.shape[-1]
-    if w.type is np.float64:  # targets of at most 24 bits: their squares are exact in float64
-        squares, rad = _compiled(compiled.sums_of_squares, x.shape[:-1], _flat(x), H, _MARGIN64)
-    else:
-        squares, rad = sums_of_squares_enclosure(x, w.type)
+    H = x.shape[-1]  # targets of at most 24 bits: their squares are exact in float64
+    squares, rad = _compiled(compiled.sums_of_squares, x.shape[:-1], _flat(x), H, _MARGIN64)
     with np.errstate(invalid="ignore", divide="ignore"):
         s = np.where(squares > 0, rad / squares, np.where(rad > 0, np.inf, 0))
         total = (squares / H if mean and H else squares) + eps  # H = 0: the empty sum 0, and Lean's 0 / 0 = 0
@@ -224,12 +210,6 @@ def rms(eps, x, *, work):
     return y, w.rad(y, rel)
 
 
-def _normalised(w: _Work, eps, x, mean=True):
-    """x / rms and its relative error (one more rounding)."""
-    r, rel = _mean_square_root(w, eps, x, mean)
-    return w.array(x) / r[..., None], rel[..., None] + w.u
-
-
 def _row_weights(w, x):
     """A norm's weights as its kernels take them: (flat, the step between rows: 0 where one row is for all)."""
     H = x.shape[-1]
@@ -239,16 +219,17 @@ def _row_weights(w, x):
 
 
 def _normalised_compiled(eps, x, kind, w=None, z=None, mean=True, *, work):
-    """x / rms per row, times the factor of ``kind``: ``compiled.normalised`` for the narrow targets, and
-    ``compiled.normalised_double_word`` for float64 (``work`` long double), which has no gate (``z``)."""
+    """x / rms per row (one more rounding of the root's relative error), times the factor of ``kind``:
+    ``compiled.normalised`` for the narrow targets, and ``compiled.normalised_double_word`` for float64
+    (``work`` long double)."""
     x = np.asarray(x)
     weights, step = _row_weights(w, x)
-    if z is None and work is not np.float64:
+    gate = _flat(np.zeros(0) if z is None else np.broadcast_to(z, x.shape))
+    if work is not np.float64:
         high, low, rel = _root_double_word(eps, x, mean)
         return _double_word(compiled.normalised_double_word, x.shape, _flat(x), x.shape[-1], _flat(high), _flat(low),
-                            _flat(rel), kind, weights, step, _MARGIN64)
+                            _flat(rel), kind, weights, step, gate, _MARGIN64)
     root, rel = _mean_square_root(_Work(np.float64), eps, x, mean)
-    gate = _flat(np.zeros(0) if z is None else np.broadcast_to(z, x.shape))
     return _compiled(compiled.normalised, x.shape, _flat(x), x.shape[-1], _flat(root), _flat(rel), kind, weights, step,
                      gate, _E64, _MARGIN64)
 
@@ -268,15 +249,7 @@ def rmsnorm_unit(eps, x, *, work):
 
 def rmsnorm_gated(eps, x, z, w, *, work):
     """w (x / rms) silu(z): silu's relative error and absolute part, two more roundings."""
-    if work is np.float64:
-        return _normalised_compiled(eps, x, 3, w, z, work=work)
-    fp = _Work(work)
-    n, rel = _normalised(fp, eps, x)
-    z = fp.array(z)
-    s, rel_s = _sigmoid(fp, z)
-    weighted = fp.array(w) * n
-    y = weighted * (z * s)
-    return y, fp.rad(y, rel + rel_s + 3 * fp.u, 2 * fp.tiny * np.abs(weighted) * (1 + np.abs(z)))
+    return _normalised_compiled(eps, x, 3, w, z, work=work)
 
 
 def l2norm(eps, x, *, work):
@@ -356,14 +329,10 @@ def _halves(gu):
 
 def silu_mul(gu, *, work):
     """silu(gate) up: silu's bound and one more rounding."""
+    gate, up = _halves(np.asarray(gu))
     if work is np.float64:
-        gate, up = _halves(np.asarray(gu))
         return _compiled(compiled.silu_mul, gate.shape, _flat(gate), _flat(up), _E64, _MARGIN64)
-    w = _Work(work)
-    gate, up = _halves(w.array(gu))
-    s, rel = _sigmoid(w, gate)
-    y = gate * s * up
-    return y, w.rad(y, rel + 2 * w.u, 2 * w.tiny * (1 + np.abs(gate)) * np.abs(up))
+    return _double_word(compiled.silu_mul_double_word, gate.shape, _flat(gate), _flat(up), _MARGIN64)
 
 
 def gelu_mul(gu, *, work):
@@ -536,18 +505,15 @@ def decode_gqa(scale, q, k, v, *, work):
 
 
 def sigmoid_gate(o, gate, *, work):
+    o, gate = np.broadcast_arrays(np.asarray(o), np.asarray(gate))
     if work is np.float64:
-        o, gate = np.broadcast_arrays(np.asarray(o), np.asarray(gate))
         return _compiled(compiled.sigmoid_gate, o.shape, _flat(o), _flat(gate), _E64, _MARGIN64)
-    w = _Work(work)
-    o = w.array(o)
-    s, rel = _sigmoid(w, w.array(gate))
-    y = o * s
-    return y, w.rad(y, rel + w.u, 2 * w.tiny * (1 + np.abs(o)))
+    return _double_word(compiled.sigmoid_gate_double_word, o.shape, _flat(o), _flat(gate), _MARGIN64)
 
 
 # The ops whose float64 target's enclosure is a double word (the others' is long double).
-DOUBLE_WORD = frozenset({"rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "l2norm", "residual", "embed"})
+DOUBLE_WORD = frozenset({"rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm", "residual",
+                         "embed", "sigmoid", "silu", "silu_mul", "sigmoid_gate"})
 
 ENCLOSURES = {fn.__name__: fn for fn in (
     sigmoid, silu, gelu_tanh, softcap, rms, rmsnorm, rmsnorm_offset, rmsnorm_unit, rmsnorm_gated, l2norm,

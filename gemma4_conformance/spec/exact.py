@@ -5,8 +5,8 @@ it becomes an mpf with no rounding.  The oracles then compute at the working pre
 which defaults to well above float64 and is set with ``precision(bits)``.  Sums of products (dot
 products, matrix products, sums of squares) are exact and rounded once: ``dot`` defines them one at
 a time, ``dots`` and ``sums_of_squares`` compute many at once with integer matrix products.
-``dots_enclosure`` and ``sums_of_squares_enclosure`` enclose the same sums for the judging's first
-stage: float64 BLAS and an a-priori bound, or the integer products, with no Python object per sum.
+``dots_enclosure`` encloses the same products for the judging's first stage: float64 BLAS and an
+a-priori bound, or the integer products, with no Python object per sum.
 """
 
 from __future__ import annotations
@@ -765,23 +765,3 @@ def _exact_dots_enclosure(rows: np.ndarray, b: np.ndarray, work) -> tuple[np.nda
             mid[:, start:start + step] = m.reshape(rows.shape[0], -1)
             rad[:, start:start + step] = r.reshape(rows.shape[0], -1)
     return mid, rad
-
-
-def sums_of_squares_enclosure(x: np.ndarray, work) -> tuple[np.ndarray, np.ndarray]:
-    """``sum_k x[..., k]^2`` for a floating ``x`` as (mid, rad) in ``work``, as ``dots_enclosure``
-    (here T is the sum itself: every term is >= 0)."""
-    K = x.shape[-1]
-    if _narrow(x):
-        wide = x.astype(np.float64)
-        with np.errstate(all="ignore"):
-            total = np.einsum("...k,...k->...", wide, wide)
-            rad = np.where(np.isfinite(total), total * _radius_factor(K), np.inf)
-        return total.astype(work), rad.astype(work)
-    rows = x.reshape(math.prod(x.shape[:-1]), K)
-    X = _grids(rows)
-    if X is None:
-        return np.zeros(x.shape[:-1], dtype=work), np.full(x.shape[:-1], np.inf, dtype=work)
-    with one_blas_thread():
-        digits, unit = _sum_digits(X, X, K, lambda u, v: np.einsum("rk,rk->r", u, v), rows.shape[0])
-    mid, rad = digits.floats(unit, work)
-    return mid.reshape(x.shape[:-1]), rad.reshape(x.shape[:-1])
