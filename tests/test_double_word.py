@@ -45,7 +45,8 @@ def double_word_cases(draw):
         return op, (draw(st.sampled_from([1.0, 61.97, 2.0**-600, 3.0**30])), x, np.arange(R)[::-1])
     return op, {"rms": (eps, x), "rmsnorm": (eps, x, w), "rmsnorm_offset": (eps, x, w), "rmsnorm_unit": (eps, x),
                 "rmsnorm_gated": (eps, x, z, w), "l2norm": (eps, x), "sigmoid": (x,), "silu": (x,),
-                "silu_mul": (np.concatenate([x, z], axis=-1),), "sigmoid_gate": (z, x)}[op]
+                "silu_mul": (np.concatenate([x, z], axis=-1),), "sigmoid_gate": (z, x), "gelu_tanh": (x,),
+                "gelu_mul": (np.concatenate([x, z], axis=-1),)}[op]
 
 
 def _checked(op, args):
@@ -111,7 +112,7 @@ def test_exp_within_its_bound():
     def each(y):
         high, low = np.empty(y.size), np.empty(y.size)
         for i in range(y.size):
-            high[i], low[i] = compiled._exp_double_word(y[i])
+            high[i], low[i] = compiled._exp_double_word(y[i], 0.0)
         return high, low
 
     high, low = each(y)

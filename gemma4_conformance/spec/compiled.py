@@ -374,36 +374,40 @@ def _dw_sqrt(xh, xl):
     return _fast_two_sum(sh, (xl + _fma(-sh, sh, xh)) / (2 * sh))
 
 
-def _exp_constants():
-    """ln 2 / 256 as C1 + C2 + C3 (C1 of 35 bits, so that n C1 is exact for |n| < 2^18) and the table
-    2^(j/256), j < 256, as double words (high, low): each rounded to nearest from 300 bits (mpmath)."""
+def _double_word_constants():
+    """ln 2 / 256 as C1 + C2 + C3 (C1 of 35 bits, so that n C1 is exact for |n| < 2^18), the table
+    2^(j/256), j < 256, and GELU's sqrt(2 / pi) and 0.044715, as double words (high, low): each rounded to
+    nearest from 300 bits (mpmath), so within u^2 of the real constant."""
     import mpmath
+
+    def word(value):
+        return float(value), float(value - mpmath.mpf(float(value)))
 
     with mpmath.workprec(300):
         c = mpmath.log(2) / 256
         c1 = float(mpmath.ldexp(mpmath.nint(mpmath.ldexp(c, 43)), -43))  # c < 2^-8: 35 significant bits
         c2 = float(c - c1)
         c3 = float(c - c1 - c2)
-        powers = [mpmath.power(2, mpmath.mpf(j) / 256) for j in range(256)]
-        high = np.array([float(p) for p in powers])
-        low = np.array([float(p - mpmath.mpf(float(p))) for p in powers])
-    return 256 / math.log(2), c1, c2, c3, high, low
+        high, low = (np.array(part) for part in zip(*(word(mpmath.power(2, mpmath.mpf(j) / 256)) for j in range(256))))
+        gelu = (*word(mpmath.sqrt(2 / mpmath.pi)), *word(mpmath.mpf("0.044715")))
+    return (256 / math.log(2), c1, c2, c3, high, low, *gelu)
 
 
-_EXP_SCALE, _LN2_C1, _LN2_C2, _LN2_C3, _EXP_HIGH, _EXP_LOW = _exp_constants()
+(_EXP_SCALE, _LN2_C1, _LN2_C2, _LN2_C3, _EXP_HIGH, _EXP_LOW,
+ _GELU_K_HIGH, _GELU_K_LOW, _GELU_A_HIGH, _GELU_A_LOW) = _double_word_constants()
 # e^y's relative error bound (``_exp_double_word``) and the range of y it holds on.
 EXP_DOUBLE_WORD = 2.0**-76
 EXP_LOWEST, EXP_HIGHEST = -707.0, 709.0
 
 
 @jit
-def _exp_double_word(y):
-    """e^y for EXP_LOWEST <= y <= EXP_HIGHEST as a double word, within EXP_DOUBLE_WORD of it relatively
-    and 2^-1074 absolutely (its low part may be subnormal).  y = n ln 2 / 256 + r, n = rint(256 y / ln 2)
-    (|n| < 2^18, |r| <= 2^-9.4).  n C1 is exact, and so is y - n C1 (both are multiples of y's ULP, or of
-    2^-43, a multiple of it, and the difference is below 2^-9.4); r = (y - n C1) - n C2 - n C3 as a double
-    word (n C2 split by TwoProductFMA) is off by under 2^-105 (roundings of terms below 2^-62, and n times
-    ln 2 / 256 - C1 - C2 - C3 < 2^-150).  e^r = 1 + r + r^2 / 2 + r^3 P(r), P the Taylor polynomial to
+def _exp_double_word(y, y_low):
+    """e^(y + y_low) for EXP_LOWEST <= y <= EXP_HIGHEST, |y_low| <= 2^-43, as a double word, within
+    EXP_DOUBLE_WORD of it relatively and 2^-1074 absolutely (its low part may be subnormal).  y = n ln 2 /
+    256 + r, n = rint(256 y / ln 2) (|n| < 2^18, |r| <= 2^-9.4).  n C1 is exact, and so is y - n C1 (both are
+    multiples of y's ULP, or of 2^-43, a multiple of it, and the difference is below 2^-9.4); r = (y - n C1)
+    - n C2 - n C3 + y_low as a double word (n C2 split by TwoProductFMA) is off by under 2^-94 (roundings of
+    terms below 2^-42, and n times ln 2 / 256 - C1 - C2 - C3 < 2^-150).  e^r = 1 + r + r^2 / 2 + r^3 P(r), P the Taylor polynomial to
     r^4 / 5040, which leaves out under 2^-90 of e^r; r^3 P(r), below 2^-30.8, is computed in float64 from
     r's high part (its 12 roundings, its coefficients' included, and r's low part leave under 2^-79.5 of
     e^r), the rest as double words (DOUBLE_WORD each).  Times 2^(j/256), j = n mod 256 (a double word
@@ -414,7 +418,7 @@ def _exp_double_word(y):
     k = (int(n) - j) >> 8
     p2h, p2l = two_product(n, _LN2_C2)
     sh, e = two_sum(y - n * _LN2_C1, -p2h)
-    rh, rl = _fast_two_sum(sh, (e - p2l) - n * _LN2_C3)
+    rh, rl = _fast_two_sum(sh, ((e - p2l) - n * _LN2_C3) + y_low)
     tail = rh * rh * rh * (1 / 6 + rh * (1 / 24 + rh * (1 / 120 + rh * (1 / 720 + rh / 5040))))
     qh, ql = _dw_times_dw(rh, rl, rh, rl)
     mh, ml = _dw_plus_dw(rh, rl, 0.5 * qh, 0.5 * ql)
@@ -425,21 +429,25 @@ def _exp_double_word(y):
 
 
 @jit
-def _sigmoid_double_word(x):
-    """1 / (1 + e^-x) as (high, low, relative error, absolute error): e^-x (``_exp_double_word``), 1 + it
-    (DWPlusFP: its error passes on at most once, the sum being >= 1) and the reciprocal (DWDivDW), each
-    adding DOUBLE_WORD.  Past -x > 620 the result lies in (0, 2^-894): 0 within 2^-894; below -x < EXP_LOWEST,
-    in (1 - 2^-1020, 1): 1 within 2^-1020.  nan: inf."""
+def _sigmoid_double_word(x, x_low, x_error):
+    """1 / (1 + e^-x) for x = x + x_low (a double word, |x_low| <= 2^-43) known within x_error, as (high,
+    low, relative error, absolute error): e^-x (``_exp_double_word``, moved by at most e^x_error - 1 <=
+    x_error (1 + x_error) relatively for x_error <= 2^-20), 1 + it (DWPlusFP: its error passes on at most
+    once, the sum being >= 1) and the reciprocal (DWDivDW), each adding DOUBLE_WORD.  Past -x > 620 the
+    result lies in (0, 2^-894): 0 within 2^-894; below -x < EXP_LOWEST, in (1 - 2^-1019, 1): 1 within
+    2^-1019.  nan, or x_error > 2^-20: inf."""
     y = -x
     if y != y:
         return y, 0.0, math.inf, 0.0
     if y > 620.0:
         return 0.0, 0.0, 0.0, 2.0**-894
     if y < EXP_LOWEST:
-        return 1.0, 0.0, 0.0, 2.0**-1020
-    eh, el = _exp_double_word(y)
+        return 1.0, 0.0, 0.0, 2.0**-1019
+    if not x_error <= 2.0**-20:
+        return y, 0.0, math.inf, 0.0
+    eh, el = _exp_double_word(y, -x_low)
     dh, dl = _dw_plus_fp(eh, el, 1.0)
-    error = EXP_DOUBLE_WORD * eh + 2.0**-1074 + DOUBLE_WORD * dh
+    error = (EXP_DOUBLE_WORD + x_error * (1 + x_error)) * eh + 2.0**-1074 + DOUBLE_WORD * dh
     sh, sl = _dw_divide_dw(1.0, 0.0, dh, dl)
     return sh, sl, error / dh + DOUBLE_WORD, 0.0
 
@@ -461,7 +469,7 @@ def _double_word_rad(high, relative, absolute, exact_zero, margin):
 @jit
 def sigmoid_double_word(x, margin, high, low, rad):
     for i in range(x.size):
-        sh, sl, relative, absolute = _sigmoid_double_word(x[i])
+        sh, sl, relative, absolute = _sigmoid_double_word(x[i], 0.0, 0.0)
         high[i], low[i], rad[i] = sh, sl, _double_word_rad(sh, relative, absolute, False, margin)
 
 
@@ -469,7 +477,7 @@ def sigmoid_double_word(x, margin, high, low, rad):
 def silu_double_word(x, margin, high, low, rad):
     """x sigmoid(x): one more product (DWTimesFP)."""
     for i in range(x.size):
-        sh, sl, relative, absolute = _sigmoid_double_word(x[i])
+        sh, sl, relative, absolute = _sigmoid_double_word(x[i], 0.0, 0.0)
         yh, yl = _dw_times_fp(sh, sl, x[i])
         high[i], low[i] = yh, yl
         rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, absolute * abs(x[i]), x[i] == 0, margin)
@@ -480,7 +488,7 @@ def silu_mul_double_word(gate, up, margin, high, low, rad):
     """silu(gate) up: two more products."""
     for i in range(gate.size):
         g = gate[i]
-        sh, sl, relative, absolute = _sigmoid_double_word(g)
+        sh, sl, relative, absolute = _sigmoid_double_word(g, 0.0, 0.0)
         yh, yl = _dw_times_fp(sh, sl, g)
         yh, yl = _dw_times_fp(yh, yl, up[i])
         high[i], low[i] = yh, yl
@@ -492,7 +500,7 @@ def silu_mul_double_word(gate, up, margin, high, low, rad):
 def sigmoid_gate_double_word(o, gate, margin, high, low, rad):
     """o sigmoid(gate): one more product."""
     for i in range(o.size):
-        sh, sl, relative, absolute = _sigmoid_double_word(gate[i])
+        sh, sl, relative, absolute = _sigmoid_double_word(gate[i], 0.0, 0.0)
         yh, yl = _dw_times_fp(sh, sl, o[i])
         high[i], low[i] = yh, yl
         zero = o[i] == 0 and math.isfinite(gate[i])
@@ -565,7 +573,7 @@ def normalised_double_word(x, H, root_high, root_low, root_rel, kind, w, w_step,
             elif kind == 3:
                 factor = w[row * w_step + j]
                 wh, wl = _dw_times_fp(nh, nl, factor)
-                sh, sl, relative_s, absolute_s = _sigmoid_double_word(z[i])
+                sh, sl, relative_s, absolute_s = _sigmoid_double_word(z[i], 0.0, 0.0)
                 sh, sl = _dw_times_fp(sh, sl, z[i])
                 yh, yl = _dw_times_dw(wh, wl, sh, sl)
                 relative += relative_s + 3 * DOUBLE_WORD
@@ -582,6 +590,51 @@ def normalised_double_word(x, H, root_high, root_low, root_rel, kind, w, w_step,
                 rad[i] = math.inf
             else:
                 rad[i] = _double_word_rad(yh, relative, absolute, zero, margin)
+
+
+@jit
+def _gelu_double_word(x):
+    """x / (1 + exp(-s)), s = 2 k (x + a x^3) (``spec.enclosures._gelu``'s, k = sqrt(2 / pi) and a = 0.044715
+    double words within u^2), as ``_sigmoid_double_word``'s four numbers for x sigmoid(s): x^2 exact
+    (TwoProductFMA), x^3 (DWTimesFP), a x^3 (DWTimesDW), x + it (DWPlusFP; terms of one sign), times k
+    (DWTimesDW) and 2 (exact): s within (4 DOUBLE_WORD + 2 u^2) |s|; the product with x adds DOUBLE_WORD.
+    |x| < 2^-290 but 0 (its cube would underflow): inf; past 2^300 (its cube may overflow), s has x's sign
+    and is past sigmoid's extremes, which x itself gives."""
+    if x != 0 and abs(x) < 2.0**-290:
+        return x, 0.0, math.inf, 0.0
+    if abs(x) > 2.0**300:
+        gh, gl, relative, absolute = _sigmoid_double_word(x, 0.0, 0.0)
+    else:
+        qh, ql = two_product(x, x)
+        ch, cl = _dw_times_fp(qh, ql, x)
+        ch, cl = _dw_times_dw(ch, cl, _GELU_A_HIGH, _GELU_A_LOW)
+        sh, sl = _dw_plus_fp(ch, cl, x)
+        sh, sl = _dw_times_dw(sh, sl, _GELU_K_HIGH, _GELU_K_LOW)
+        sh, sl = 2 * sh, 2 * sl
+        gh, gl, relative, absolute = _sigmoid_double_word(sh, sl, (4 * DOUBLE_WORD + 2 * U * U) * abs(sh) *
+                                                          (1 + 2.0**-50))
+    yh, yl = _dw_times_fp(gh, gl, x)
+    return yh, yl, relative + DOUBLE_WORD, absolute * abs(x)
+
+
+@jit
+def gelu_tanh_double_word(x, margin, high, low, rad):
+    for i in range(x.size):
+        yh, yl, relative, absolute = _gelu_double_word(x[i])
+        high[i], low[i] = yh, yl
+        rad[i] = _double_word_rad(yh, relative, absolute, x[i] == 0, margin)
+
+
+@jit
+def gelu_mul_double_word(gate, up, margin, high, low, rad):
+    """gelu_tanh(gate) up: one more product."""
+    for i in range(gate.size):
+        g = gate[i]
+        yh, yl, relative, absolute = _gelu_double_word(g)
+        yh, yl = _dw_times_fp(yh, yl, up[i])
+        high[i], low[i] = yh, yl
+        zero = (g == 0 or up[i] == 0) and math.isfinite(g) and math.isfinite(up[i])
+        rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, absolute * abs(up[i]), zero, margin)
 
 
 @jit

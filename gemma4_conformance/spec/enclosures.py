@@ -129,34 +129,19 @@ def silu(x, *, work):
     return _double_word(compiled.silu_double_word, np.shape(x), _flat(x), _MARGIN64)
 
 
-# sqrt(2/pi) and 0.044715 in float64 and in long double, each rounded once from the real constant.
-_GELU_K = {np.float64: np.float64(math.sqrt(2 / math.pi)),
-           np.longdouble: np.sqrt(np.longdouble(2) / np.longdouble("3.14159265358979323846264338327950288"))}
-_GELU_A = {np.float64: np.float64(0.044715), np.longdouble: np.longdouble("0.044715")}
-
-
-def _gelu(w: _Work, x):
-    """x / (1 + exp(t)), t = -2 k (x + a x^3), as the oracle evaluates it.  x + a x^3 adds terms of one
-    sign: x^2, x^3, a x^3 (a rounded: 4u) and the sum (5u); k rounded and the products (7u) make t's
-    relative error, which exp turns into |t| 7u relative, plus its own E, of which 1 + e keeps the
-    part e / (1 + e); 1 + e and the quotient round (2u).  Where exp overflows, the result is 0 within |x| / max."""
-    k, a = _GELU_K[w.type], _GELU_A[w.type]
-    with np.errstate(over="ignore", invalid="ignore"):
-        t = -2 * k * (x + a * (x * x * x))
-        e = np.exp(t)
-        y = x / (1 + e)
-        passed = np.where(np.isfinite(e), e / (1 + e), 1)  # of e's relative error, into 1 + e
-        rel = 2 * w.u + passed * (w.elementary + 7 * w.u * np.where(np.isfinite(t), np.abs(t), 0))
-    # |t| past the overflow threshold: the quotient is x / inf = +-0 and the exact result is below |x| tiny
-    return y, rel, 2 * w.tiny * (1 + np.abs(x))
+# sqrt(2/pi) and 0.044715 in float64, each rounded once from the real constant.
+_GELU_K, _GELU_A = math.sqrt(2 / math.pi), 0.044715
 
 
 def gelu_tanh(x, *, work):
+    """x / (1 + exp(t)), t = -2 k (x + a x^3), as the oracle evaluates it.  x + a x^3 adds terms of one
+    sign: x^2, x^3, a x^3 (a rounded: 4u) and the sum (5u); k rounded and the products (7u) make t's
+    relative error, which exp turns into |t| 7u relative, plus its own E, of which 1 + e keeps the
+    part e / (1 + e); 1 + e and the quotient round (2u).  Where exp overflows, the result is 0 within |x|
+    / max (``compiled._gelu``).  For float64: a double word, ``compiled._gelu_double_word``."""
     if work is np.float64:
-        return _compiled(compiled.gelu_tanh, np.shape(x), _flat(x), _GELU_K[work], _GELU_A[work], _E64, _MARGIN64)
-    w = _Work(work)
-    y, rel, absolute = _gelu(w, w.array(x))
-    return y, w.rad(y, rel, absolute)
+        return _compiled(compiled.gelu_tanh, np.shape(x), _flat(x), _GELU_K, _GELU_A, _E64, _MARGIN64)
+    return _double_word(compiled.gelu_tanh_double_word, np.shape(x), _flat(x), _MARGIN64)
 
 
 def softcap(c, x, *, work):
@@ -336,15 +321,10 @@ def silu_mul(gu, *, work):
 
 
 def gelu_mul(gu, *, work):
+    gate, up = _halves(np.asarray(gu))
     if work is np.float64:
-        gate, up = _halves(np.asarray(gu))
-        return _compiled(compiled.gelu_mul, gate.shape, _flat(gate), _flat(up), _GELU_K[work], _GELU_A[work], _E64,
-                         _MARGIN64)
-    w = _Work(work)
-    gate, up = _halves(w.array(gu))
-    g, rel, absolute = _gelu(w, gate)
-    y = g * up
-    return y, w.rad(y, rel + w.u, absolute * np.abs(up))
+        return _compiled(compiled.gelu_mul, gate.shape, _flat(gate), _flat(up), _GELU_K, _GELU_A, _E64, _MARGIN64)
+    return _double_word(compiled.gelu_mul_double_word, gate.shape, _flat(gate), _flat(up), _MARGIN64)
 
 
 def residual(r, x, h, *, work):
@@ -513,7 +493,7 @@ def sigmoid_gate(o, gate, *, work):
 
 # The ops whose float64 target's enclosure is a double word (the others' is long double).
 DOUBLE_WORD = frozenset({"rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm", "residual",
-                         "embed", "sigmoid", "silu", "silu_mul", "sigmoid_gate"})
+                         "embed", "sigmoid", "silu", "silu_mul", "sigmoid_gate", "gelu_tanh", "gelu_mul"})
 
 ENCLOSURES = {fn.__name__: fn for fn in (
     sigmoid, silu, gelu_tanh, softcap, rms, rmsnorm, rmsnorm_offset, rmsnorm_unit, rmsnorm_gated, l2norm,
