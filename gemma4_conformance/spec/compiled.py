@@ -1,9 +1,10 @@
 """The enclosures of ``spec.enclosures`` in float64, compiled: one loop per element (numba).
 
-Each kernel evaluates its enclosure's formula (derived beside it in ``spec.enclosures``) with the same
-operations in the same order, on flat float64 arrays, into the arrays ``mid`` and ``rad`` it is given
-(numpy's, which ask the kernel for huge pages: writing numba's own new arrays cost more in page faults
-than the arithmetic).  Two bounds differ from the numpy code's, each no smaller: an absolute part (what
+Each kernel evaluates its enclosure's formula (derived beside it in ``spec.enclosures``; for softcap,
+rope and softmax also as numpy code for long double, with the same operations in the same order), on
+flat float64 arrays, into the arrays ``mid`` and ``rad`` it is given (numpy's, which ask the kernel for
+huge pages: writing numba's own new arrays cost more in page faults than the arithmetic).  Two bounds
+differ from the derivations', each no smaller: an absolute part (what
 results flushed below float64's smallest normal number lose, times the factors applied after) is 0 or at
 least 2^-1021, so that no bound is a subnormal number (``_underflow``), and e^d - 1 for a small shift d
 takes no expm1 (``_grown``).  numba compiles with IEEE semantics: no fastmath, so no reassociation and
@@ -12,6 +13,10 @@ by zero gives inf or nan as numpy's does.  exp and tanh are LLVM's intrinsics, w
 library's (tests/test_enclosures.py measures them against mpmath, as it does numpy's).  Compiled code is
 cached beside this file, or, where the package's folder is read-only (an installed wheel), in numba's
 per-user cache folder (``NUMBA_CACHE_DIR`` overrides both).
+
+The double-word kernels (``*_double_word``: the float64 target's enclosures of the ops in
+``spec.enclosures.DOUBLE_WORD``) have no numpy counterpart; each states its bound beside it, from the
+published bounds of the double-word operations it uses and of its exp.
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ def silu(x, E, margin, mid, rad):
 
 @jit
 def _gelu(x, k, a, E):
-    """(y, relative, the factor of the absolute part, ``_underflow``) of ``spec.enclosures._gelu`` for one x."""
+    """(y, relative, the factor of the absolute part, ``_underflow``) of ``spec.enclosures.gelu_tanh`` for one x."""
     t = -2 * k * (x + a * (x * x * x))
     e = math.exp(t)
     y = x / (1 + e)
@@ -390,11 +395,12 @@ def _double_word_constants():
         c3 = float(c - c1 - c2)
         high, low = (np.array(part) for part in zip(*(word(mpmath.power(2, mpmath.mpf(j) / 256)) for j in range(256))))
         gelu = (*word(mpmath.sqrt(2 / mpmath.pi)), *word(mpmath.mpf("0.044715")))
-    return (256 / math.log(2), c1, c2, c3, high, low, *gelu)
+        third = word(mpmath.mpf(1) / 3)
+    return (256 / math.log(2), c1, c2, c3, high, low, *gelu, *third)
 
 
 (_EXP_SCALE, _LN2_C1, _LN2_C2, _LN2_C3, _EXP_HIGH, _EXP_LOW,
- _GELU_K_HIGH, _GELU_K_LOW, _GELU_A_HIGH, _GELU_A_LOW) = _double_word_constants()
+ _GELU_K_HIGH, _GELU_K_LOW, _GELU_A_HIGH, _GELU_A_LOW, _THIRD_HIGH, _THIRD_LOW) = _double_word_constants()
 # e^y's relative error bound (``_exp_double_word``) and the range of y it holds on.
 EXP_DOUBLE_WORD = 2.0**-76
 EXP_LOWEST, EXP_HIGHEST = -707.0, 709.0
@@ -594,7 +600,7 @@ def normalised_double_word(x, H, root_high, root_low, root_rel, kind, w, w_step,
 
 @jit
 def _gelu_double_word(x):
-    """x / (1 + exp(-s)), s = 2 k (x + a x^3) (``spec.enclosures._gelu``'s, k = sqrt(2 / pi) and a = 0.044715
+    """x / (1 + exp(-s)), s = 2 k (x + a x^3) (``spec.enclosures.gelu_tanh``'s, k = sqrt(2 / pi) and a = 0.044715
     double words within u^2), as ``_sigmoid_double_word``'s four numbers for x sigmoid(s): x^2 exact
     (TwoProductFMA), x^3 (DWTimesFP), a x^3 (DWTimesDW), x + it (DWPlusFP; terms of one sign), times k
     (DWTimesDW) and 2 (exact): s within (4 DOUBLE_WORD + 2 u^2) |s|; the product with x adds DOUBLE_WORD.
@@ -635,6 +641,69 @@ def gelu_mul_double_word(gate, up, margin, high, low, rad):
         high[i], low[i] = yh, yl
         zero = (g == 0 or up[i] == 0) and math.isfinite(g) and math.isfinite(up[i])
         rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, absolute * abs(up[i]), zero, margin)
+
+
+# tanh's relative error bound (``_tanh_double_word``).
+TANH_DOUBLE_WORD = 2.0**-70
+
+
+@jit
+def _tanh_double_word(qh, ql, q_error):
+    """tanh(q) for q = qh + ql (a double word) known within q_error <= 2^-30 |q|, as (high, low, relative
+    error), |q| = a:
+    - a < 2^-300: a itself, within a^2 / 3 < 2^-600 of the result;
+    - a < 2^-5: a (1 - a^2 / 3 + a^4 R(a^2)), R the Taylor series' next five terms: what it leaves out
+      is below its first term left out, 2^-79.4 of the result (alternating and falling); a^4 R, below
+      2^-22.9, in float64 from qh (its 14 roundings and ql's omission leave under 2^-71.5), the rest as
+      double words (1/3 within u^2; DOUBLE_WORD each);
+    - 2^-5 <= a <= 353: (1 - E) / (1 + E), E = e^-2a (``_exp_double_word``; within EXP_DOUBLE_WORD plus
+      2^-1074), whose error 1 - E >= 1/17 passes on at most 17 times, 1 + E once, and the quotient
+      (DWDivDW) and the differences add DOUBLE_WORD each;
+    - past 353: 1 within 2^-1017 (e^-706 < 2^-1018, and 1 - tanh(a) < 2 e^-2a).
+    The error of q, a shift of at most q_error, moves tanh by at most q_error / a of itself (tanh(a) / a
+    falls, so its condition is at most 1).  Each case's sum is under TANH_DOUBLE_WORD = 2^-70 plus
+    q_error / a; the last case's absolute part is returned as its relative error (the result is 1)."""
+    a, al = (qh, ql) if qh >= 0 else (-qh, -ql)
+    sign = 1.0 if qh >= 0 else -1.0
+    shift = q_error / a
+    if a < 2.0**-300:
+        return qh, ql, TANH_DOUBLE_WORD + shift
+    if a < 2.0**-5:
+        square = a * a
+        tail = square * square * (2 / 15 + square * (-17 / 315 + square * (62 / 2835 + square * (
+            -1382 / 155925 + square * (21844 / 6081075)))))
+        sh, sl = _dw_times_dw(a, al, a, al)
+        sh, sl = _dw_times_dw(sh, sl, -_THIRD_HIGH, -_THIRD_LOW)
+        th, tl = _dw_plus_fp(sh, sl, 1.0)
+        th, tl = _dw_plus_fp(th, tl, tail)
+        th, tl = _dw_times_dw(th, tl, a, al)
+        return sign * th, sign * tl, TANH_DOUBLE_WORD + shift
+    if a > 353.0:
+        return sign, 0.0, 2.0**-1017 + shift
+    eh, el = _exp_double_word(-2 * a, -2 * al)
+    exp_error = EXP_DOUBLE_WORD * eh + 2.0**-1074
+    nh, nl = _dw_plus_fp(-eh, -el, 1.0)
+    dh, dl = _dw_plus_fp(eh, el, 1.0)
+    th, tl = _dw_divide_dw(nh, nl, dh, dl)
+    return sign * th, sign * tl, exp_error / nh + exp_error / dh + 3 * DOUBLE_WORD + shift
+
+
+@jit
+def softcap_double_word(c, x, margin, high, low, rad):
+    """c tanh(x / c): x / c by DWDivFP (DOUBLE_WORD), ``_tanh_double_word`` and the product (DWTimesFP,
+    DOUBLE_WORD).  x = 0: exactly 0; x / c outside [DOUBLE_WORD_LOWEST, DOUBLE_WORD_HIGHEST]: inf."""
+    for i in range(x.size):
+        qh, ql = _dw_divide_fp(x[i], 0.0, c)
+        if x[i] == 0:
+            high[i], low[i], rad[i] = 0.0, 0.0, 0.0
+            continue
+        if not DOUBLE_WORD_LOWEST <= abs(qh) <= DOUBLE_WORD_HIGHEST:
+            high[i], low[i], rad[i] = qh, 0.0, math.inf
+            continue
+        th, tl, relative = _tanh_double_word(qh, ql, DOUBLE_WORD * abs(qh) * (1 + 2.0**-50))
+        yh, yl = _dw_times_fp(th, tl, c)
+        high[i], low[i] = yh, yl
+        rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, 0.0, False, margin)
 
 
 @jit

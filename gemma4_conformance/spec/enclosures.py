@@ -8,16 +8,19 @@ not bound the result (a non-finite input, an intermediate out of the format's ra
 where the result is exactly ``mid`` (masked entries, zero sums).  An op without a function here
 (``inv_freq``: a handful of elements) is always judged by its oracle.
 
-The format ``work`` is float64 for the targets of at most 24 bits and ``np.longdouble`` for float64
-(the 80-bit format on x86, 11 bits past float64; where longdouble is float64 the radii come out
-about one float64 ULP and the oracle decides more).  In float64 every function other than the
-products runs as one compiled loop per element (``spec.compiled``, the same formula in the same
-order); the numpy code below is the long double one, which numba does not have (a double-double
-exp, tanh, sin and cos with proven bounds would be a library of its own).  Each bound is derived beside its function in
-units of ``u``, ``work``'s unit roundoff (every + - * / and sqrt rounds once, relative error <= u),
-and ``ELEMENTARY``, the relative error allowed to one call of exp, tanh, sin, cos or pow.  First-order
-terms are summed and the total is multiplied by ``MARGIN`` for the second-order ones.  Results that
-may underflow carry ``ABSOLUTE`` (a multiple of the smallest normal number) times their factors.
+The format ``work`` is float64 for the targets of at most 24 bits and ``np.longdouble`` for float64.
+For the narrow targets every function other than the products runs as one compiled loop per element
+(``spec.compiled``, the formula its docstring here derives).  For float64 the ops
+of ``DOUBLE_WORD`` (the norms, residual, embed, and those of a sigmoid or GELU) give their mid as a
+``DoubleWord``, high + low, from compiled double-word arithmetic whose bounds are derived beside its
+kernels in ``spec.compiled`` (about 2^-76 of the result or less: far inside float64's ULP); the others
+(softcap, rope, softmax, the products) stay in numpy's long double (the 80-bit format on x86, 11 bits
+past float64; where longdouble is float64 the radii come out about one float64 ULP and the oracle
+decides more).  Each bound is derived beside its function in units of ``u``, ``work``'s unit
+roundoff (every + - * / and sqrt rounds once, relative error <= u), and ``ELEMENTARY``, the relative
+error allowed to one call of exp, tanh, sin, cos or pow.  First-order terms are summed and the total
+is multiplied by ``MARGIN`` for the second-order ones.  Results that may underflow carry an absolute
+part (a multiple of the smallest normal number) times their factors.
 """
 
 from __future__ import annotations
@@ -146,15 +149,14 @@ def gelu_tanh(x, *, work):
 
 def softcap(c, x, *, work):
     """c tanh(x / c): x / c rounds (u), tanh's condition |q tanh'(q) / tanh(q)| is at most 1, tanh errs
-    by E, the product rounds (u).  x / c may underflow: |c| tiny."""
-    w = _Work(work)
-    c = w.real(c)
+    by E, the product rounds (u).  x / c may underflow: |c| tiny.  For float64: a double word,
+    ``compiled.softcap_double_word``."""
+    c = _Work(np.float64).real(c)
     if c == 0:
         raise NotEnclosed("softcap with c = 0")
     if work is np.float64:
         return _compiled(compiled.softcap, np.shape(x), c, _flat(x), _E64, _MARGIN64)
-    y = c * np.tanh(w.array(x) / c)
-    return y, w.rad(y, w.elementary + 3 * w.u, 2 * w.tiny * (1 + abs(c)))
+    return _double_word(compiled.softcap_double_word, np.shape(x), c, _flat(x), _MARGIN64)
 
 
 def _mean_square_root(w: _Work, eps, x, mean: bool):
@@ -493,7 +495,8 @@ def sigmoid_gate(o, gate, *, work):
 
 # The ops whose float64 target's enclosure is a double word (the others' is long double).
 DOUBLE_WORD = frozenset({"rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm", "residual",
-                         "embed", "sigmoid", "silu", "silu_mul", "sigmoid_gate", "gelu_tanh", "gelu_mul"})
+                         "embed", "sigmoid", "silu", "silu_mul", "sigmoid_gate", "gelu_tanh", "gelu_mul",
+                         "softcap"})
 
 ENCLOSURES = {fn.__name__: fn for fn in (
     sigmoid, silu, gelu_tanh, softcap, rms, rmsnorm, rmsnorm_offset, rmsnorm_unit, rmsnorm_gated, l2norm,
