@@ -47,7 +47,8 @@ def double_word_cases(draw):
                 "rmsnorm_gated": (eps, x, z, w), "l2norm": (eps, x), "sigmoid": (x,), "silu": (x,),
                 "silu_mul": (np.concatenate([x, z], axis=-1),), "sigmoid_gate": (z, x), "gelu_tanh": (x,),
                 "gelu_mul": (np.concatenate([x, z], axis=-1),),
-                "softcap": (draw(st.sampled_from([30.0, 15.0, 2.0**-20, -3.0, 2.0**900])), x)}[op]
+                "softcap": (draw(st.sampled_from([30.0, 15.0, 2.0**-20, -3.0, 2.0**900])), x),
+                "softmax": (x, np.array(draw(st.lists(st.booleans(), min_size=R * H, max_size=R * H))).reshape(R, H))}[op]
 
 
 def _checked(op, args):

@@ -707,6 +707,51 @@ def softcap_double_word(c, x, margin, high, low, rad):
 
 
 @jit
+def softmax_double_word(s, visible, L, margin, high, low, rad):
+    """Weights per row of L (``spec.enclosures.softmax`` for float64) as double words.  z = s - top, top
+    the row's largest visible logit, is exact as TwoSum's pair; e^z (``_exp_double_word``, within
+    EXP_DOUBLE_WORD plus 2^-1074; below EXP_LOWEST 0 within 2^-1019); their sum in order by
+    AccurateDWPlusDW (terms >= 0: n additions err by at most n DOUBLE_WORD of the sum, which also carries
+    its terms' largest relative error and their absolute parts); p = e^z / sum (DWDivDW, DOUBLE_WORD).
+    The sum is at least 1 (top's term is exactly 1), so the absolute parts move p by at most their total,
+    relatively.  p below DOUBLE_WORD_LOWEST (its quotient may underflow): within 2^-899, above it.  A
+    row with a visible logit that is not finite: inf; with none visible: 0, exactly."""
+    for row in range(s.size // L):
+        start = row * L
+        top, count, finite = -math.inf, 0, True
+        for j in range(start, start + L):
+            if visible[j]:
+                count += 1
+                finite = finite and math.isfinite(s[j])
+                top = max(top, s[j])
+        th, tl, absolute = 0.0, 0.0, 0.0
+        for j in range(start, start + L):
+            high[j], low[j], rad[j] = 0.0, 0.0, 0.0
+            if visible[j] and finite:
+                zh, zl = two_sum(s[j], -top)
+                if zh < EXP_LOWEST:
+                    absolute += 2.0**-1019
+                    rad[j] = 2.0**-1019
+                else:
+                    high[j], low[j] = _exp_double_word(zh, zl)
+                    absolute += 2.0**-1074
+                    th, tl = _dw_plus_dw(th, tl, high[j], low[j])
+        shared = EXP_DOUBLE_WORD + count * DOUBLE_WORD + absolute / th + DOUBLE_WORD if count and finite else 0.0
+        for j in range(start, start + L):
+            if not visible[j]:
+                continue
+            if not finite:
+                high[j], rad[j] = math.nan, math.inf
+            elif high[j] != 0:
+                ph, pl = _dw_divide_dw(high[j], low[j], th, tl)
+                high[j], low[j] = ph, pl
+                relative = EXP_DOUBLE_WORD + shared
+                rad[j] = (relative * ph + 2.0**-1074) * margin if ph >= DOUBLE_WORD_LOWEST else 2.0**-899
+            else:
+                rad[j] = rad[j] * margin
+
+
+@jit
 def _product_underflow(p, a, b):
     """What TwoProductFMA's p + e may miss of a b: 2^-1074 where the product is below 2^-969 (p or e
     may then be subnormal), else 0."""

@@ -399,9 +399,15 @@ def _softmax(w: _Work, s, s_rad, visible):
 
 
 def softmax(s, visible, *, work):
+    """``_softmax``'s weights; for float64 double words (``compiled.softmax_double_word``)."""
+    visible = np.broadcast_to(np.asarray(visible, dtype=bool), np.shape(s))
+    if work is not np.float64:
+        if not np.size(s):
+            return DoubleWord(np.zeros(np.shape(s)), np.zeros(np.shape(s))), np.zeros(np.shape(s))
+        return _double_word(compiled.softmax_double_word, np.shape(s), _flat(s),
+                            np.ascontiguousarray(visible).reshape(-1), np.shape(s)[-1], _MARGIN64)
     w = _Work(work)
     s = w.array(s)
-    visible = np.broadcast_to(np.asarray(visible, dtype=bool), s.shape)
     p, rel = _softmax(w, s, 0.0, visible)
     return p, np.where(visible, w.rad(p, rel, 2 * w.tiny), 0).astype(w.type)
 
@@ -496,7 +502,7 @@ def sigmoid_gate(o, gate, *, work):
 # The ops whose float64 target's enclosure is a double word (the others' is long double).
 DOUBLE_WORD = frozenset({"rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm", "residual",
                          "embed", "sigmoid", "silu", "silu_mul", "sigmoid_gate", "gelu_tanh", "gelu_mul",
-                         "softcap"})
+                         "softcap", "softmax"})
 
 ENCLOSURES = {fn.__name__: fn for fn in (
     sigmoid, silu, gelu_tanh, softcap, rms, rmsnorm, rmsnorm_offset, rmsnorm_unit, rmsnorm_gated, l2norm,
