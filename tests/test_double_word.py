@@ -48,7 +48,8 @@ def double_word_cases(draw):
                 "silu_mul": (np.concatenate([x, z], axis=-1),), "sigmoid_gate": (z, x), "gelu_tanh": (x,),
                 "gelu_mul": (np.concatenate([x, z], axis=-1),),
                 "softcap": (draw(st.sampled_from([30.0, 15.0, 2.0**-20, -3.0, 2.0**900])), x),
-                "softmax": (x, np.array(draw(st.lists(st.booleans(), min_size=R * H, max_size=R * H))).reshape(R, H))}[op]
+                "softmax": (x, np.array(draw(st.lists(st.booleans(), min_size=R * H, max_size=R * H))).reshape(R, H)),
+                }[op]
 
 
 def _checked(op, args):
@@ -102,9 +103,9 @@ def test_a_radius_without_the_squares_bound_is_caught(monkeypatch):
 
 
 def test_exp_within_its_bound():
-    """The double-word exp under every sigmoid errs by at most 2^-79 relative (the sum of its derived
-    terms; EXP_DOUBLE_WORD allows eight times that), and 2^-1074 absolute, across its range, near the reduction's boundaries
-    (n ln 2 / 256 + ln 2 / 512) and at its ends."""
+    """The double-word exp under every sigmoid errs by at most 2^-79 relative (the sum of its derived terms;
+    EXP_DOUBLE_WORD allows eight times that), and 2^-1074 absolute, across its range, near the reduction's
+    boundaries (n ln 2 / 256 + ln 2 / 512) and at its ends."""
     rng = np.random.default_rng(0)
     step = np.log(2) / 256
     y = np.concatenate([rng.uniform(compiled.EXP_LOWEST, compiled.EXP_HIGHEST, 3000), rng.standard_normal(1000),

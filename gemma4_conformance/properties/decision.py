@@ -99,14 +99,13 @@ def _admits(apart, rad, allowance, slack, within, surely, beyond):
 @jit
 def verdict_units(got, exact, rad, exact_low, error, error_low, error_high, scale, absolute, right_inf,
                   undecided_in, allowed, precision, emin, max_finite, slack, ulps, ulps_high, undecided):
-    """One pass of ``judging._judge`` over its elements (all arrays flat, float64; ``absolute`` may
-    hold one value for all; ``right_inf`` and ``undecided_in`` empty where every output is finite).
-    ``error`` and its bounds empty: ``exact`` and ``rad`` are an enclosure's mid and radius (and
-    ``exact_low`` a double word's low part, or empty), whose bounds (``_bounds``) it makes as it goes.  Writes the ULPs, their upper bounds (unless
-    ``ulps_high`` is empty) and the undecided elements; returns how many ULPs are not finite,
-    the first zero-scale element, the worst over-budget element (-1: none),
-    the largest lower and upper bounds of the ULPs (the contenders' test), whether any radius is
-    positive, and (all within, all surely within, any surely beyond) the allowance for zeros and for
+    """One pass of ``judging._judge`` over its elements (all arrays flat, float64; ``absolute`` may hold one value
+    for all; ``right_inf`` and ``undecided_in`` empty where every output is finite). ``error`` and its bounds empty:
+    ``exact`` and ``rad`` are an enclosure's mid and radius (and ``exact_low`` a double word's low part, or empty),
+    whose bounds (``_bounds``) it makes as it goes.  Writes the ULPs, their upper bounds (unless ``ulps_high`` is
+    empty) and the undecided elements; returns how many ULPs are not finite, the first zero-scale element, the worst
+    over-budget element (-1: none), the largest lower and upper bounds of the ULPs (the contenders' test), whether
+    any radius is positive, and (all within, all surely within, any surely beyond) the allowance for zeros and for
     the sign flipped."""
     n = got.size
     keep_high = ulps_high.size > 0

@@ -408,17 +408,17 @@ EXP_LOWEST, EXP_HIGHEST = -707.0, 709.0
 
 @jit
 def _exp_double_word(y, y_low):
-    """e^(y + y_low) for EXP_LOWEST <= y <= EXP_HIGHEST, |y_low| <= 2^-43, as a double word, within
-    EXP_DOUBLE_WORD of it relatively and 2^-1074 absolutely (its low part may be subnormal).  y = n ln 2 /
-    256 + r, n = rint(256 y / ln 2) (|n| < 2^18, |r| <= 2^-9.4).  n C1 is exact, and so is y - n C1 (both are
-    multiples of y's ULP, or of 2^-43, a multiple of it, and the difference is below 2^-9.4); r = (y - n C1)
-    - n C2 - n C3 + y_low as a double word (n C2 split by TwoProductFMA) is off by under 2^-94 (roundings of
-    terms below 2^-42, and n times ln 2 / 256 - C1 - C2 - C3 < 2^-150).  e^r = 1 + r + r^2 / 2 + r^3 P(r), P the Taylor polynomial to
-    r^4 / 5040, which leaves out under 2^-90 of e^r; r^3 P(r), below 2^-30.8, is computed in float64 from
-    r's high part (its 12 roundings, its coefficients' included, and r's low part leave under 2^-79.5 of
-    e^r), the rest as double words (DOUBLE_WORD each).  Times 2^(j/256), j = n mod 256 (a double word
-    within u^2 of it; DOUBLE_WORD), and 2^k, k = (n - j) / 256 (exact while the high part is normal: y >=
-    -707).  These sum to under 2^-79: EXP_DOUBLE_WORD is eight times that."""
+    """e^(y + y_low) for EXP_LOWEST <= y <= EXP_HIGHEST, |y_low| <= 2^-43, as a double word, within EXP_DOUBLE_WORD
+    of it relatively and 2^-1074 absolutely (its low part may be subnormal).  y = n ln 2 / 256 + r, n = rint(256 y /
+    ln 2) (|n| < 2^18, |r| <= 2^-9.4).  n C1 is exact, and so is y - n C1 (both are multiples of y's ULP, or of
+    2^-43, a multiple of it, and the difference is below 2^-9.4); r = (y - n C1) - n C2 - n C3 + y_low as a double
+    word (n C2 split by TwoProductFMA) is off by under 2^-94 (roundings of terms below 2^-42, and n times ln 2 / 256
+    - C1 - C2 - C3 < 2^-150).  e^r = 1 + r + r^2 / 2 + r^3 P(r), P the Taylor polynomial to r^4 / 5040, which leaves
+    out under 2^-90 of e^r; r^3 P(r), below 2^-30.8, is computed in float64 from r's high part (its 12 roundings,
+    its coefficients' included, and r's low part leave under 2^-79.5 of e^r), the rest as double words (DOUBLE_WORD
+    each).  Times 2^(j/256), j = n mod 256 (a double word within u^2 of it; DOUBLE_WORD), and 2^k, k = (n - j) / 256
+    (exact while the high part is normal: y >= -707).  These sum to under 2^-79: EXP_DOUBLE_WORD is eight times
+    that."""
     n = float(math.floor(y * _EXP_SCALE + 0.5))
     j = int(n) & 255
     k = (int(n) - j) >> 8
@@ -554,10 +554,10 @@ def root_double_word(x, H, mean, eps, high, low, rel):
 
 @jit
 def normalised_double_word(x, H, root_high, root_low, root_rel, kind, w, w_step, z, margin, high, low, rad):
-    """x / root per row of H (``root_double_word``) as a double word, times a factor by ``kind``: 0 none,
-    1 w, 2 (1 + w) (exact by TwoSum), 3 w silu(z) (``_sigmoid_double_word``, three more products); w's row
-    is w[row * w_step:].  The root's reciprocal (DWDivDW) and each product add DOUBLE_WORD.  A result is
-    exactly 0 where x or a factor is 0 and the rest finite; otherwise rad is inf where x / root is outside [DOUBLE_WORD_LOWEST,
+    """x / root per row of H (``root_double_word``) as a double word, times a factor by ``kind``: 0 none, 1 w, 2 (1
+    + w) (exact by TwoSum), 3 w silu(z) (``_sigmoid_double_word``, three more products); w's row is w[row *
+    w_step:].  The root's reciprocal (DWDivDW) and each product add DOUBLE_WORD.  A result is exactly 0 where x or a
+    factor is 0 and the rest finite; otherwise rad is inf where x / root is outside [DOUBLE_WORD_LOWEST,
     DOUBLE_WORD_HIGHEST], and as ``_double_word_rad`` says."""
     for row in range(root_high.size):
         rh, rl = _dw_divide_dw(1.0, 0.0, root_high[row], root_low[row])
