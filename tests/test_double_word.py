@@ -41,6 +41,10 @@ def double_word_cases(draw):
         with np.errstate(over="ignore"):
             h = np.where(near, -x / r * (1 + 2.0**-52), others)
         return op, (r, x, h)
+    if op in ("rope", "rope_std"):  # positions up to past the angles the kernel takes
+        pos = np.array(draw(st.lists(st.integers(0, 2**21) | st.integers(0, 64), min_size=R, max_size=R)))
+        theta, rot = draw(st.sampled_from([10000.0, 1e6, 2.0])), draw(st.integers(0, H + 1))
+        return op, (theta, rot, rot, rot // 2, pos, x) if op == "rope" else (theta, rot, pos, x)
     if op == "embed":
         return op, (draw(st.sampled_from([1.0, 61.97, 2.0**-600, 3.0**30])), x, np.arange(R)[::-1])
     return op, {"rms": (eps, x), "rmsnorm": (eps, x, w), "rmsnorm_offset": (eps, x, w), "rmsnorm_unit": (eps, x),
@@ -146,3 +150,26 @@ def test_tanh_within_its_bound():
         worst = max(abs(h + l - mpmath.tanh(x)) / abs(mpmath.tanh(x)) for h, l, x in zip(as_mpf(high), as_mpf(low),
                                                                                         as_mpf(a)))
     assert worst <= mpmath.mpf(2) ** -71, float(mpmath.log(worst, 2))
+
+
+def test_cos_sin_within_their_bound():
+    """The double-word cos and sin under float64 rope err by at most 2^-78.5 absolutely (the sum of their
+    derived terms; COS_SIN_DOUBLE_WORD allows four times that) up to the largest angle they take, near
+    multiples of pi / 2 and of the table's step pi / 128, and at small angles."""
+    rng = np.random.default_rng(0)
+    a = np.concatenate([rng.uniform(-compiled.COS_SIN_HIGHEST, compiled.COS_SIN_HIGHEST, 1000),
+                        rng.uniform(-4, 4, 1000), np.arange(-3000, 3000) * (np.pi / 2),
+                        (np.arange(-64, 64) + 0.5) * (np.pi / 128), 2.0 ** rng.uniform(-60, 0, 200), [0.0]])
+
+    @numba.njit
+    def each(a):
+        out = np.empty((a.size, 4))
+        for i in range(a.size):
+            out[i, 0], out[i, 1], out[i, 2], out[i, 3] = compiled._cos_sin_double_word(a[i], 0.0)
+        return out
+
+    out = each(a)
+    with mpmath.workprec(300):
+        worst = max(max(abs(ch + cl - mpmath.cos(x)), abs(sh + sl - mpmath.sin(x)))
+                    for (ch, cl, sh, sl), x in zip(as_mpf(out), as_mpf(a)))
+    assert worst <= mpmath.mpf(2) ** -78.5, float(mpmath.log(worst, 2))

@@ -396,11 +396,25 @@ def _double_word_constants():
         high, low = (np.array(part) for part in zip(*(word(mpmath.power(2, mpmath.mpf(j) / 256)) for j in range(256))))
         gelu = (*word(mpmath.sqrt(2 / mpmath.pi)), *word(mpmath.mpf("0.044715")))
         third = word(mpmath.mpf(1) / 3)
-    return (256 / math.log(2), c1, c2, c3, high, low, *gelu, *third)
+        sixth = word(mpmath.mpf(1) / 6)
+        quarter_turn = mpmath.pi / 2  # pi / 2 as Q1 + Q2 + Q3, Q1 of 33 bits (k Q1 exact for k < 2^20)
+        q1 = float(mpmath.ldexp(mpmath.nint(mpmath.ldexp(quarter_turn, 32)), -32))
+        q2 = float(quarter_turn - q1)
+        q3 = float(quarter_turn - q1 - q2)
+        step = mpmath.pi / 128  # the table's step, as S1 + S2 + S3, S1 of 45 bits (j S1 exact for j <= 64)
+        s1 = float(mpmath.ldexp(mpmath.nint(mpmath.ldexp(step, 50)), -50))
+        s2 = float(step - s1)
+        s3 = float(step - s1 - s2)
+        turns = [word(f(j * step)) for f in (mpmath.sin, mpmath.cos) for j in range(33)]
+        sin_high, sin_low = (np.array(part) for part in zip(*turns[:33]))
+        cos_high, cos_low = (np.array(part) for part in zip(*turns[33:]))
+    return (256 / math.log(2), c1, c2, c3, high, low, *gelu, *third, *sixth, q1, q2, q3, s1, s2, s3, sin_high, sin_low,
+            cos_high, cos_low)
 
 
-(_EXP_SCALE, _LN2_C1, _LN2_C2, _LN2_C3, _EXP_HIGH, _EXP_LOW,
- _GELU_K_HIGH, _GELU_K_LOW, _GELU_A_HIGH, _GELU_A_LOW, _THIRD_HIGH, _THIRD_LOW) = _double_word_constants()
+(_EXP_SCALE, _LN2_C1, _LN2_C2, _LN2_C3, _EXP_HIGH, _EXP_LOW, _GELU_K_HIGH, _GELU_K_LOW, _GELU_A_HIGH, _GELU_A_LOW,
+ _THIRD_HIGH, _THIRD_LOW, _SIXTH_HIGH, _SIXTH_LOW, _QUARTER_1, _QUARTER_2, _QUARTER_3, _STEP_1, _STEP_2, _STEP_3,
+ _SIN_HIGH, _SIN_LOW, _COS_HIGH, _COS_LOW) = _double_word_constants()
 # e^y's relative error bound (``_exp_double_word``) and the range of y it holds on.
 EXP_DOUBLE_WORD = 2.0**-76
 EXP_LOWEST, EXP_HIGHEST = -707.0, 709.0
@@ -749,6 +763,103 @@ def softmax_double_word(s, visible, L, margin, high, low, rad):
                 rad[j] = (relative * ph + 2.0**-1074) * margin if ph >= DOUBLE_WORD_LOWEST else 2.0**-899
             else:
                 rad[j] = rad[j] * margin
+
+
+# The absolute error bound of ``_cos_sin_double_word`` and the angles it takes.
+COS_SIN_DOUBLE_WORD, COS_SIN_HIGHEST = 2.0**-76, 2.0**20
+
+
+@jit
+def _reduced(a, a_low, k, p1, p2, p3):
+    """a + a_low - k (p1 + p2 + p3) as a double word: k p1 and a - k p1 exact (the caller's ranges), k p2
+    split by TwoProductFMA, the rest summed with three roundings of terms below 2^-33."""
+    p2h, p2l = two_product(k, p2)
+    sh, e = two_sum(a - k * p1, -p2h)
+    return _fast_two_sum(sh, ((e - p2l) - k * p3) + a_low)
+
+
+@jit
+def _cos_sin_double_word(a, a_low):
+    """(cos, sin) of a + a_low, |a| < COS_SIN_HIGHEST, as double words within COS_SIN_DOUBLE_WORD each,
+    absolutely.  a = k pi / 2 + r, k = rint(2 a / pi) < 2^20: k Q1 is exact and so is a - k Q1 (both are
+    multiples of a's ULP or of 2^-32, a multiple of it, and the difference is below 0.8); r off by under
+    2^-86 (roundings of terms below 2^-35, and k times pi / 2 - Q1 - Q2 - Q3 < 2^-150).  r = j pi / 128 + b,
+    |j| <= 32, |b| <= pi / 256 + 2^-40 (b the same way, off by under 2^-100), and cos and sin of j pi / 128
+    from a table of double words (within u^2).  sin b = b - b^3 / 6 + b^5 T(b^2) and cos b = 1 - b^2 / 2 +
+    b^4 V(b^2), Taylor to b^9 and b^8: they leave out under 2^-94 and 2^-85; b^5 T (below 2^-38.7) and b^4
+    V (below 2^-30) in float64 from b's high part (under 2^-84 and 2^-79 with b's low part), the rest as
+    double words (1/6 within u^2; DOUBLE_WORD each, of terms at most 1).  The angle-sum formulas add two
+    products and a sum of double words (DOUBLE_WORD each, of terms at most 1).  These sum to under
+    2^-78.5; COS_SIN_DOUBLE_WORD is four times that.  The quadrant k mod 4 swaps and negates, exactly."""
+    k = float(math.floor(a * (2 / math.pi) + 0.5))
+    rh, rl = _reduced(a, a_low, k, _QUARTER_1, _QUARTER_2, _QUARTER_3)
+    j = float(math.floor(rh * (128 / math.pi) + 0.5))
+    bh, bl = _reduced(rh, rl, j, _STEP_1, _STEP_2, _STEP_3)
+    square = bh * bh
+    sh, sl = _dw_times_dw(bh, bl, bh, bl)
+    ch, cl = _dw_plus_fp(-0.5 * sh, -0.5 * sl, 1.0)
+    ch, cl = _dw_plus_fp(ch, cl, square * square * (1 / 24 + square * (-1 / 720 + square * (1 / 40320))))
+    th, tl = _dw_times_dw(sh, sl, bh, bl)
+    th, tl = _dw_times_dw(th, tl, -_SIXTH_HIGH, -_SIXTH_LOW)
+    th, tl = _dw_plus_dw(th, tl, bh, bl)
+    sin_h, sin_l = _dw_plus_fp(th, tl, bh * square * square * (1 / 120 + square * (-1 / 5040 + square * (1 / 362880))))
+    index = int(abs(j))
+    sign = 1.0 if j >= 0 else -1.0
+    table_ch, table_cl = _COS_HIGH[index], _COS_LOW[index]
+    table_sh, table_sl = sign * _SIN_HIGH[index], sign * _SIN_LOW[index]
+    # cos(t + b) = cos t cos b - sin t sin b, sin(t + b) = sin t cos b + cos t sin b
+    xh, xl = _dw_times_dw(table_ch, table_cl, ch, cl)
+    yh, yl = _dw_times_dw(table_sh, table_sl, sin_h, sin_l)
+    cos_h, cos_l = _dw_plus_dw(xh, xl, -yh, -yl)
+    xh, xl = _dw_times_dw(table_sh, table_sl, ch, cl)
+    yh, yl = _dw_times_dw(table_ch, table_cl, sin_h, sin_l)
+    sin_h, sin_l = _dw_plus_dw(xh, xl, yh, yl)
+    quadrant = int(k) & 3
+    if quadrant == 0:
+        return cos_h, cos_l, sin_h, sin_l
+    if quadrant == 1:
+        return -sin_h, -sin_l, cos_h, cos_l
+    if quadrant == 2:
+        return -cos_h, -cos_l, -sin_h, -sin_l
+    return sin_h, sin_l, -cos_h, -cos_l
+
+
+@jit
+def rope_double_word(x, D, half, positions, freq_high, freq_low, margin, high, low, rad):
+    """Rotate-half RoPE (``spec.enclosures.rope``) of N rows of D at ``positions`` as double words, one
+    inverse frequency per rotated pair i, i + half (a double word within u^2 of theta^(-2i / denom)).  The
+    angle pos w (DWTimesFP: DOUBLE_WORD, and the frequency's u^2) moves cos and sin by at most 2^-99 |a|
+    (their slopes are at most 1), and ``_cos_sin_double_word`` errs by COS_SIN_DOUBLE_WORD: e, absolutely.
+    x_i cos - x_j sin (and x_j cos + x_i sin): two products (DWTimesFP) and their sum (AccurateDWPlusDW)
+    err by at most DOUBLE_WORD of the products' magnitudes and of the result, and e of |x_i| + |x_j|; 2^-1021
+    covers what products below 2^-969 lose.  An angle past COS_SIN_HIGHEST: inf."""
+    for row in range(positions.size):
+        base = row * D
+        for m in range(D):
+            high[base + m], low[base + m], rad[base + m] = x[base + m], 0.0, 0.0
+        for i in range(freq_high.size):
+            j = i + half
+            ah, al = _dw_times_fp(freq_high[i], freq_low[i], positions[row])
+            xi = x[base + i]
+            xj = x[base + j] if j < D else 0.0
+            if not abs(ah) < COS_SIN_HIGHEST:
+                rad[base + i] = math.inf
+                if j < D:
+                    rad[base + j] = math.inf
+                continue
+            ch, cl, sh, sl = _cos_sin_double_word(ah, al)
+            error = (COS_SIN_DOUBLE_WORD + 2.0**-99 * abs(ah)) * (abs(xi) + abs(xj))
+            ph, pl = _dw_times_fp(ch, cl, xi)
+            qh, ql = _dw_times_fp(sh, sl, xj)
+            yh, yl = _dw_plus_dw(ph, pl, -qh, -ql)
+            high[base + i], low[base + i] = yh, yl
+            rad[base + i] = (error + DOUBLE_WORD * (2 * abs(ph) + 2 * abs(qh) + abs(yh)) + 2.0**-1021) * margin
+            if j < D:
+                ph, pl = _dw_times_fp(ch, cl, xj)
+                qh, ql = _dw_times_fp(sh, sl, xi)
+                yh, yl = _dw_plus_dw(ph, pl, qh, ql)
+                high[base + j], low[base + j] = yh, yl
+                rad[base + j] = (error + DOUBLE_WORD * (2 * abs(ph) + 2 * abs(qh) + abs(yh)) + 2.0**-1021) * margin
 
 
 @jit

@@ -30,6 +30,7 @@ import math
 from fractions import Fraction
 from typing import NamedTuple
 
+import mpmath
 import numpy as np
 
 from . import compiled
@@ -248,50 +249,49 @@ def rope(theta, rot, denom, active, pos, x, *, work):
     the power by |exponent ln theta| u, and pow errs by E; the angle a = pos w rounds (u).  cos and sin
     of the rounded angle are off by at most |a| times its relative error (their slopes are <= 1) plus
     E; each of the two products and the difference rounds: the bound is absolute, scaled by |x_d| +
-    |x_p| and the products' magnitudes, since the difference may cancel."""
-    w = _Work(work)
-    theta = w.real(theta)
+    |x_p| and the products' magnitudes, since the difference may cancel.  For float64: double words,
+    ``compiled.rope_double_word``."""
+    theta = _Work(np.float64).real(theta)
     if theta <= 0 or denom == 0:
         raise NotEnclosed("theta <= 0 or denom = 0")
-    x = w.array(x)
+    x = np.asarray(x)
     D = x.shape[-1]
     half = rot // 2
-    positions = np.asarray(pos).astype(w.type)
-    freqs, rel_freqs = _rope_frequencies(work, theta, denom, active, min(half, D))
-    if work is np.float64:
-        return _compiled(compiled.rope, x.shape, _flat(x), D, half, _flat(positions), freqs, rel_freqs, _E64, _MARGIN64)
-    y = x.copy()
-    rad = np.zeros_like(x)
-    for i in range(min(half, D)):
-        j = i + half
-        angle = positions * freqs[i]
-        error = np.abs(angle) * (rel_freqs[i] + w.u) + w.elementary  # of cos and of sin
-        cos, sin = np.cos(angle), np.sin(angle)
-        xi = x[..., i]
-        xj = x[..., j] if j < D else np.zeros_like(xi)
-        y[..., i] = xi * cos - xj * sin
-        rad[..., i] = (np.abs(xi) + np.abs(xj)) * error + 2 * w.u * (np.abs(xi * cos) + np.abs(xj * sin)) \
-            + w.u * np.abs(y[..., i]) + 4 * w.tiny
-        if j < D:
-            y[..., j] = x[..., j] * cos + xi * sin
-            rad[..., j] = (np.abs(xi) + np.abs(xj)) * error + 2 * w.u * (np.abs(xj * cos) + np.abs(xi * sin)) \
-                + w.u * np.abs(y[..., j]) + 4 * w.tiny
-    return y, w.rad(y, 0.0, rad)
+    positions = _flat(np.asarray(pos).astype(np.float64))
+    if work is not np.float64:  # float64: double words (``compiled.rope_double_word``)
+        high, low = _rope_frequencies_double_word(theta, denom, active, min(half, D))
+        return _double_word(compiled.rope_double_word, x.shape, _flat(x), D, half, positions, high, low, _MARGIN64)
+    freqs, rel_freqs = _rope_frequencies(theta, denom, active, min(half, D))
+    return _compiled(compiled.rope, x.shape, _flat(x), D, half, positions, freqs, rel_freqs, _E64, _MARGIN64)
 
 
 @functools.lru_cache(maxsize=64)
-def _rope_frequencies(work, theta, denom, active, n):
-    """``rope``'s n inverse frequencies in ``work`` (0 past ``active``) and their relative errors: the same
+def _rope_frequencies(theta, denom, active, n):
+    """``rope``'s n inverse frequencies in float64 (0 past ``active``) and their relative errors: the same
     for every call of a model's rope."""
-    w = _Work(work)
+    w = _Work(np.float64)
     log_theta = abs(float(np.log(theta)))
-    freqs, rel_freqs = np.zeros(n, dtype=w.type), np.zeros(n)
+    freqs, rel_freqs = np.zeros(n), np.zeros(n)
     for i in range(min(n, active)):
         exponent = -(2 * w.type(i) / w.type(denom))
         freqs[i] = np.power(theta, exponent)
         rel_freqs[i] = w.elementary + w.u + abs(float(exponent)) * log_theta * w.u * 2
     freqs.flags.writeable = rel_freqs.flags.writeable = False
     return freqs, rel_freqs
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_frequencies_double_word(theta, denom, active, n):
+    """``rope``'s n inverse frequencies theta^(-2i / denom) (0 past ``active``) as double words, each
+    within u^2 of itself (rounded to nearest from 200 bits, mpmath)."""
+    high, low = np.zeros(n), np.zeros(n)
+    with mpmath.workprec(200):
+        for i in range(min(n, active)):
+            value = mpmath.power(mpmath.mpf(theta), -mpmath.mpf(2 * i) / denom)
+            high[i] = float(value)
+            low[i] = float(value - mpmath.mpf(high[i]))
+    high.flags.writeable = low.flags.writeable = False
+    return high, low
 
 
 def rope_std(theta, rot, pos, x, *, work):
@@ -502,7 +502,7 @@ def sigmoid_gate(o, gate, *, work):
 # The ops whose float64 target's enclosure is a double word (the others' is long double).
 DOUBLE_WORD = frozenset({"rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm", "residual",
                          "embed", "sigmoid", "silu", "silu_mul", "sigmoid_gate", "gelu_tanh", "gelu_mul",
-                         "softcap", "softmax"})
+                         "softcap", "softmax", "rope", "rope_std"})
 
 ENCLOSURES = {fn.__name__: fn for fn in (
     sigmoid, silu, gelu_tanh, softcap, rms, rmsnorm, rmsnorm_offset, rmsnorm_unit, rmsnorm_gated, l2norm,
