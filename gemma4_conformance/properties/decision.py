@@ -19,7 +19,7 @@ import numpy as np
 from llvmlite import ir
 from numba.extending import intrinsic
 
-from gemma4_conformance.spec.compiled import jit, nan_max, two_sum
+from gemma4_conformance.spec.compiled import from_bits, jit, nan_max, two_sum
 
 
 @intrinsic
@@ -28,14 +28,6 @@ def _bits(typingctx, x):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(64))
     return numba.int64(numba.float64), codegen
-
-
-@intrinsic
-def _from_bits(typingctx, n):
-    """The float64 with bits ``n``."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-    return numba.float64(numba.int64), codegen
 
 
 @jit
@@ -49,20 +41,20 @@ def _scale_ulp(scale, precision, emin, max_finite):
     e = e - (precision - 1)
     if e < -1022:  # the ULP is subnormal
         return math.ldexp(1.0, e)
-    return _from_bits((e + 1023) << 52)
+    return from_bits((e + 1023) << 52)
 
 
 @jit
 def _bounds(g, mid, mid_low, rad, slack):
     """From an enclosure (mid + mid_low) ± rad of an exact result (mid_low 0 but for a double word,
-    ``spec.enclosures.DoubleWord``): the radius about mid, the float64 exact64 (|mid_low| more; inf where
+    ``spec.enclosures.DoubleWord``): the radius about mid, the float64 exact64 (rad + |mid_low|; inf where
     rad does not bound: nan, or mid not finite), |g - mid - mid_low| and its low and high bounds
     (``judging._SLACK``).  g - mid is exact as TwoSum's s + t: s + (t - mid_low) rounds at most three
     times (once where t is 0, and where it is not, |g - mid| > |mid| / 2 dwarfs mid_low)."""
     r = rad
     if r != r or not math.isfinite(mid):
         r = math.inf
-    if mid_low == 0:
+    if mid_low == 0 or not math.isfinite(g):
         d = abs(g - mid)
     else:
         s, t = two_sum(g, -mid)
@@ -129,7 +121,7 @@ def verdict_units(got, exact, rad, exact_low, error, error_low, error_high, scal
             err, err_low, err_high = error[i], error_low[i], error_high[i]
         finite = math.isfinite(g)
         spacing = _scale_ulp(s, precision, emin, max_finite)
-        # Below a quarter of spacing's own ULP, a / allowed leaves spacing + it at spacing: it is not computed
+        # Below a sixteenth of spacing's own ULP, a / allowed leaves spacing + it at spacing: it is not computed
         # (a float64 target's absolute allowance is near 2^-1022, and the quotient a subnormal number, each
         # costing the CPU about a hundred cycles; the compiler computes both sides of a branch, so what is
         # chosen is the dividend).

@@ -420,6 +420,21 @@ EXP_DOUBLE_WORD = 2.0**-76
 EXP_LOWEST, EXP_HIGHEST = -707.0, 709.0
 
 
+@intrinsic
+def from_bits(typingctx, n):
+    """The float64 with bits ``n`` (a bit cast, no arithmetic)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return numba.float64(numba.int64), codegen
+
+
+@jit
+def _power_of_two(k):
+    """2^k for -1022 <= k <= 1023, from its exponent field (the C library's ldexp, a call, cost the double-word
+    exp a third of its time)."""
+    return from_bits((k + 1023) << 52)
+
+
 @jit
 def _exp_double_word(y, y_low):
     """e^(y + y_low) for EXP_LOWEST <= y <= EXP_HIGHEST, |y_low| <= 2^-43, as a double word, within EXP_DOUBLE_WORD
@@ -445,7 +460,8 @@ def _exp_double_word(y, y_low):
     mh, ml = _dw_plus_fp(mh, ml, tail)
     eh, el = _dw_plus_fp(mh, ml, 1.0)
     zh, zl = _dw_times_dw(_EXP_HIGH[j], _EXP_LOW[j], eh, el)
-    return math.ldexp(zh, k), math.ldexp(zl, k)
+    scale = _power_of_two(k)
+    return zh * scale, zl * scale
 
 
 @jit
