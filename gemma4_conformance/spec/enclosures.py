@@ -12,8 +12,8 @@ The format ``work`` is float64 for the targets of at most 24 bits and ``np.longd
 For the narrow targets every function other than the products runs as one compiled loop per element
 (``spec.compiled``, the formula its docstring here derives).  For float64 every op but the products
 (``DOUBLE_WORD``) gives its mid as a ``DoubleWord``, high + low, from compiled double-word arithmetic
-whose bounds are derived beside its kernels in ``spec.compiled`` (2^-70 of the result or less: far
-inside float64's ULP); the products (linear, gate_up, lm_head and attention) stay in numpy's long double
+whose bounds are derived beside its kernels in ``spec.compiled`` (2^-70 of the result or less, rope's
+2^-76 of its inputs' magnitude: far inside float64's ULP); the products (linear, gate_up, lm_head and attention) stay in numpy's long double
 (the 80-bit format on x86, 11 bits past float64; where longdouble is float64 the radii come out about
 one float64 ULP and the oracle decides more) around their double-double sums.  Each bound is derived beside its function in units of ``u``, ``work``'s unit
 roundoff (every + - * / and sqrt rounds once, relative error <= u), and ``ELEMENTARY``, the relative
