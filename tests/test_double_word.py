@@ -6,6 +6,7 @@ from __future__ import annotations
 import mpmath
 import numba
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -90,8 +91,9 @@ def test_double_word_enclosures_hold_the_oracle_and_are_tight():
     assert in_range > 0.5 * bounded > 0
 
 
-def test_a_radius_without_the_squares_bound_is_caught(monkeypatch):
-    """The check above fails where a kernel leaves out the sum of squares' own error: it is not empty."""
+def test_a_radius_too_small_is_caught(monkeypatch):
+    """The check above fails on rms's enclosure with its radius 2^60 times too small (below the double
+    words' own rounding error): it is not empty."""
     right = enclosures.ENCLOSURES["rms"]
 
     def narrowed(eps, x, *, work):
@@ -99,11 +101,8 @@ def test_a_radius_without_the_squares_bound_is_caught(monkeypatch):
         return enclosures.DoubleWord(high, low), rad * 2.0**-60
 
     monkeypatch.setitem(enclosures.ENCLOSURES, "rms", narrowed)
-    try:
+    with pytest.raises(AssertionError):
         _checked("rms", (0.0, np.array([[1.0 + 2.0**-52, 3.0, 2.0**-30, 7.0, 5.0]])))
-    except AssertionError:
-        return
-    raise AssertionError("a radius 2^60 times too small passed")
 
 
 def test_exp_within_its_bound():
