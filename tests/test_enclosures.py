@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gemma4_conformance import spec
-from gemma4_conformance.spec import enclosures, format_of
+from gemma4_conformance.spec import compiled, enclosures, format_of
 from gemma4_conformance.properties.table import OPS, build, cases, edge_cases
 
 DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -164,40 +164,39 @@ def test_restrictions_hold_the_masked_elements():
 
 @settings(max_examples=40, deadline=None, database=None, derandomize=True)
 @given(st.integers(1, 300), st.integers(1, 40), st.integers(-1100, 10), st.integers(0, 2**32 - 1))
-def test_attention_bounds_in_long_double_from_float64_products_are_upper_bounds(L, D, binade, seed):
-    """``_upper_products`` (attention's weight errors and magnitudes for a float64 target, from float64
-    BLAS) is at least the exact sum, down to weights that underflow float64."""
+def test_attention_bounds_from_float64_products_are_upper_bounds(L, D, binade, seed):
+    """``_upper_products`` (a float64 target's attention radius, from float64 BLAS) is at least the exact
+    sum, down to weights that underflow float64."""
     rng = np.random.default_rng(seed)
-    w = enclosures._Work(np.longdouble)
-    a = (rng.random((3, L)).astype(np.longdouble) * np.longdouble(2.0) ** binade) * (1 + np.longdouble(2.0) ** -60)
+    a = rng.random((3, L)) * 2.0**binade
     b = np.abs(rng.standard_normal((L, D))) * 2.0 ** rng.integers(-40, 40)
-    total = b.sum(axis=0) * (1 + L * 2.0**-52)  # above b's column sums, as attention gives it
-    upper, a, b = (as_mpf(x) for x in (enclosures._upper_products(w, a, b, total), a, b))
+    upper, a, b = (as_mpf(x) for x in (enclosures._upper_products(a, b), a, b))
     with mpmath.workprec(4000):
         for i, j in np.ndindex(upper.shape):
             assert upper[i, j] >= mpmath.fsum(a[i, l] * b[l, j] for l in range(L)), (i, j)
 
 
 @settings(max_examples=40, deadline=None, database=None, derandomize=True)
-@given(st.integers(1, 300), st.integers(1, 24), st.integers(-1100, 0), st.integers(-1074, 1000),
+@given(st.integers(1, 300), st.integers(1, 24), st.integers(-1100, 0), st.integers(-1074, 995),
        st.booleans(), st.integers(0, 2**32 - 1))
-def test_attention_weighted_sums_in_long_double_hold_their_bound(L, D, p_binade, v_binade, cancel, seed):
-    """``_weighted_sums`` for a float64 target (double-double sums of float64 products) errs by at most u
-    |p @ v| + 2^-66 sum_l p_l |v_l| + 2^-1071 (L + sum_l |v_l|), u = 2^-64: down to weights and values
-    that underflow float64, through rows that cancel, and, past 2^995, by the long double products."""
+def test_attention_weighted_sums_as_double_words_hold_their_bound(L, D, p_binade, v_binade, cancel, seed):
+    """``compiled.weighted_sums`` (a float64 target's p @ v, p a double word) errs by at most F sum_l p_l |v_l|
+    (``_weighted_sums_factor``) + 2^-1071 (L + sum_l |v_l|): down to weights and values that underflow
+    float64, through rows that cancel, and up to values of 2^995."""
     rng = np.random.default_rng(seed)
-    w = enclosures._Work(np.longdouble)
-    p = rng.random((2, 3, L)).astype(np.longdouble) * np.longdouble(2.0) ** p_binade * (1 + np.longdouble(2.0) ** -60)
-    v = rng.standard_normal((L, D)) * 2.0 ** min(v_binade, 1020)
+    p_high = rng.random((6, L)) * 2.0**p_binade
+    p_low = p_high * rng.uniform(-2.0**-53, 2.0**-53, p_high.shape)  # |low| <= ULP(high) / 2
+    v = rng.standard_normal((L, D)) * 2.0**v_binade
+    v = np.where(np.abs(v) <= 2.0**995, v, 2.0**995)
     if cancel:  # each value's negation too: the sums cancel to their rounding errors
         v[L // 2:2 * (L // 2)] = -v[:L // 2]
-    out, underflow = enclosures._weighted_sums(w, p, v, np.abs(v).sum(axis=0) * (1 + L * 2.0**-52))
-    out, p_exact, v_exact = as_mpf(out), as_mpf(p), as_mpf(v)
+    high, low = np.empty((6, D)), np.empty((6, D))
+    compiled.weighted_sums(p_high, p_low, v, high, low)
+    factor = enclosures._weighted_sums_factor(L)
     with mpmath.workprec(4000):
-        for s, g, d in np.ndindex(out.shape):
-            terms = [p_exact[s, g, l] * v_exact[l, d] for l in range(L)]
+        p_exact, v_exact, out = as_mpf(p_high) + as_mpf(p_low), as_mpf(v), as_mpf(high) + as_mpf(low)
+        for r, d in np.ndindex(out.shape):
+            terms = [p_exact[r, l] * v_exact[l, d] for l in range(L)]
             exact, magnitude = mpmath.fsum(terms), mpmath.fsum(abs(t) for t in terms)
-            bound = abs(exact) * mpmath.mpf(2) ** -64 + magnitude * mpmath.mpf(2) ** -66
-            if isinstance(underflow, np.ndarray):  # the double-double sums' (none for long double products)
-                bound += mpmath.mpf(float(underflow[d]))
-            assert abs(out[s, g, d] - exact) <= bound, (s, g, d)
+            bound = magnitude * factor + mpmath.mpf(2) ** -1071 * (L + mpmath.fsum(abs(v_exact[l, d]) for l in range(L)))
+            assert abs(out[r, d] - exact) <= bound, (r, d)

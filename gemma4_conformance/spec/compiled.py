@@ -737,45 +737,60 @@ def softcap_double_word(c, x, margin, high, low, rad):
 
 
 @jit
-def softmax_double_word(s, visible, L, margin, high, low, rad):
-    """Weights per row of L (``spec.enclosures.softmax`` for float64) as double words.  z = s - top, top
-    the row's largest visible logit, is exact as TwoSum's pair; e^z (``_exp_double_word``, within
-    EXP_DOUBLE_WORD plus 2^-1074; below EXP_LOWEST 0 within 2^-1019); their sum in order by
-    AccurateDWPlusDW (terms >= 0: n additions err by at most n DOUBLE_WORD of the sum, which also carries
-    its terms' largest relative error and their absolute parts); p = e^z / sum (DWDivDW, DOUBLE_WORD).
-    The sum is at least 1 (top's term is exactly 1), so the absolute parts move p by at most their total,
-    relatively.  p below DOUBLE_WORD_LOWEST (its quotient may underflow): within 2^-899, above it.  A
-    row with a visible logit that is not finite: inf; with none visible: 0, exactly."""
+def softmax_double_word(s, s_low, s_rad, visible, L, margin, high, low, rad):
+    """Weights per row of L (``spec.enclosures.softmax`` for float64, and attention's) as double words, of
+    logits s + s_low (a double word; ``s_low`` empty: 0) each within s_rad of the exact one (empty: exact).
+    top, the row's largest visible logit, is shifted to 0 (any shift t gives the same weights, as long as
+    every term has it: its own error does not count).  z = s - top is exact as TwoSum's pair, or within
+    DOUBLE_WORD |z| as AccurateDWPlusDW's; e^z (``_exp_double_word``, within EXP_DOUBLE_WORD plus 2^-1074)
+    is then within EXP_DOUBLE_WORD + e^d - 1 (``_grown``) of the exact term e^(s - t), d = s_rad + DOUBLE_WORD
+    |z|, for d <= 2^-20; below EXP_LOWEST it is 0 within 2^-1019.  Their sum in order by AccurateDWPlusDW
+    (terms >= 0: n additions err by at most n DOUBLE_WORD of the sum, which also carries its terms' largest
+    relative error and their absolute parts); p = e^z / sum (DWDivDW, DOUBLE_WORD).  The sum is at least 1
+    (top's term is exactly 1), so the absolute parts move p by at most their total, relatively.  p below
+    DOUBLE_WORD_LOWEST (its quotient may underflow): within 2^-899, above it.  A row with a visible logit
+    that is not finite, or d past 2^-20: inf; with none visible: 0, exactly."""
+    lows, radii = s_low.size > 0, s_rad.size > 0
     for row in range(s.size // L):
         start = row * L
-        top, count, finite = -math.inf, 0, True
+        top, top_low, count, finite = -math.inf, 0.0, 0, True
         for j in range(start, start + L):
             if visible[j]:
                 count += 1
-                finite = finite and math.isfinite(s[j])
-                top = max(top, s[j])
-        th, tl, absolute = 0.0, 0.0, 0.0
+                finite = finite and math.isfinite(s[j]) and (not radii or s_rad[j] <= 2.0**-20)
+                if s[j] > top:
+                    top, top_low = s[j], s_low[j] if lows else 0.0
+        th, tl, absolute, worst = 0.0, 0.0, 0.0, 0.0
         for j in range(start, start + L):
             high[j], low[j], rad[j] = 0.0, 0.0, 0.0
             if visible[j] and finite:
-                zh, zl = two_sum(s[j], -top)
+                if lows:
+                    zh, zl = _dw_plus_dw(s[j], s_low[j], -top, -top_low)
+                    d = (s_rad[j] if radii else 0.0) + DOUBLE_WORD * abs(zh)
+                else:
+                    zh, zl = two_sum(s[j], -top)
+                    d = s_rad[j] if radii else 0.0
                 if zh < EXP_LOWEST:
                     absolute += 2.0**-1019
                     rad[j] = 2.0**-1019
+                elif d > 2.0**-20:
+                    finite = False
                 else:
                     high[j], low[j] = _exp_double_word(zh, zl)
                     absolute += 2.0**-1074
+                    rad[j] = _grown(d)  # the term's own part of its relative error, for now
+                    worst = max(worst, rad[j])
                     th, tl = _dw_plus_dw(th, tl, high[j], low[j])
-        shared = EXP_DOUBLE_WORD + count * DOUBLE_WORD + absolute / th + DOUBLE_WORD if count and finite else 0.0
+        shared = EXP_DOUBLE_WORD + worst + count * DOUBLE_WORD + absolute / th + DOUBLE_WORD if count and finite else 0.0
         for j in range(start, start + L):
             if not visible[j]:
                 continue
             if not finite:
-                high[j], rad[j] = math.nan, math.inf
+                high[j], low[j], rad[j] = math.nan, 0.0, math.inf
             elif high[j] != 0:
                 ph, pl = _dw_divide_dw(high[j], low[j], th, tl)
                 high[j], low[j] = ph, pl
-                relative = EXP_DOUBLE_WORD + shared
+                relative = EXP_DOUBLE_WORD + rad[j] + shared
                 rad[j] = (relative * ph + 2.0**-1074) * margin if ph >= DOUBLE_WORD_LOWEST else 2.0**-899
             else:
                 rad[j] = rad[j] * margin
@@ -910,10 +925,25 @@ def scaled_double_word(c, x, high, low, rad):
 
 
 @jit
+def scaled_sums_double_word(c, x_high, x_low, x_rad, high, low, rad):
+    """c (x_high + x_low) for double words each within x_rad of an exact value, as a double word within |c|
+    x_rad + DOUBLE_WORD of it (DWTimesFP) + 2^-1072 where the product is below 2^-969 (its parts may then be
+    subnormal) of c times that value; inf past DOUBLE_WORD_HIGHEST."""
+    for i in range(x_high.size):
+        yh, yl = _dw_times_fp(x_high[i], x_low[i], c)
+        high[i], low[i] = yh, yl
+        if abs(yh) <= DOUBLE_WORD_HIGHEST:
+            tiny = 2.0**-1072 if abs(yh) < 2.0**-969 else 0.0
+            rad[i] = (abs(c) * x_rad[i] + DOUBLE_WORD * abs(yh) + tiny) * (1 + 2.0**-50)
+        else:
+            rad[i] = math.inf
+
+
+@jit
 def weighted_sums(p_high, p_low, v, high, low):
     """sum_l (p_high + p_low)[r, l] v[l, d] for p [R, L] as two float64s and v [L, D], into the double-double
     high + low [R, D]: each p_high v exactly (TwoProductFMA, as ``dot_sums``), summed into high by TwoSum,
-    whose errors, the products' and p_low v go to low.  That is Ogita, Rump and Oishi's Dot2 (Accurate sum
+    whose errors, the products' and p_low v go to low, normalised at the end by TwoSum (exact).  That is Ogita, Rump and Oishi's Dot2 (Accurate sum
     and dot product, 2005) and one more term a product: high + low errs by at most gamma_L^2 sum_l |p_l
     v_l| and L 2^-104 of it for p_low, under 2^-66 of it for L <= 2^20.  Subnormal products and their
     errors add at most 2^-1071 (L + sum_l |v_l|) in all.  |v| <= 2^995 and p in [0, 1] keep every step
@@ -930,6 +960,8 @@ def weighted_sums(p_high, p_low, v, high, low):
                 product, error = two_product(a, x)
                 high[r, d], rounding = two_sum(high[r, d], product)
                 low[r, d] = low[r, d] + (rounding + error + b * x)
+        for d in range(D):
+            high[r, d], low[r, d] = two_sum(high[r, d], low[r, d])
 
 
 DOT_LANES = 16  # the partial sums of one dot product, kept side by side: they fill the CPU's vector lanes
@@ -943,7 +975,8 @@ def dot_sums(a, b, high, low, magnitude, b_sums):
     fl(a b) + fma(a, b, -fl(a b)) = a b exactly), the sums' from TwoSum, both exact; the errors are
     summed into low.  The K terms go to DOT_LANES
     partial sums, k mod DOT_LANES, which are then summed in order, the same way, and then the last K mod
-    DOT_LANES terms.  ``spec.exact.dots_enclosure`` bounds the result."""
+    DOT_LANES terms; high + low is normalised at the end by TwoSum (exact: |low| <= ULP(high) / 2).
+    ``spec.exact.double_double_radius`` bounds the result."""
     R, K = a.shape
     N = b.shape[0]
     lanes_high, lanes_low, lanes_magnitude = np.empty(DOT_LANES), np.empty(DOT_LANES), np.empty(DOT_LANES)
@@ -979,4 +1012,5 @@ def dot_sums(a, b, high, low, magnitude, b_sums):
                 h, rounding = two_sum(h, product)
                 l = l + (rounding + error)
                 m = m + abs(product)
-            high[r, n], low[r, n], magnitude[r, n] = h, l, m
+            high[r, n], low[r, n] = two_sum(h, l)
+            magnitude[r, n] = m

@@ -13,9 +13,10 @@ For the narrow targets every function other than the products runs as one compil
 (``spec.compiled``, the formula its docstring here derives).  For float64 every op but the products
 (``DOUBLE_WORD``) gives its mid as a ``DoubleWord``, high + low, from compiled double-word arithmetic
 whose bounds are derived beside its kernels in ``spec.compiled`` (2^-70 of the result or less, rope's
-2^-76 of its inputs' magnitude: far inside float64's ULP); the products (linear, gate_up, lm_head and attention) stay in numpy's long double
-(the 80-bit format on x86, 11 bits past float64; where longdouble is float64 the radii come out about
-one float64 ULP and the oracle decides more) around their double-double sums.  Each bound is derived beside its function in units of ``u``, ``work``'s unit
+2^-76 of its inputs' magnitude, attention's 2^-75 of sum_l p_l |v_l|: far inside float64's ULP); the
+products linear, gate_up and lm_head stay in numpy's long double (the 80-bit format on x86, 11 bits past
+float64; where longdouble is float64 the radii come out about one float64 ULP and the oracle decides more)
+around their double-double sums.  Each bound is derived beside its function in units of ``u``, ``work``'s unit
 roundoff (every + - * / and sqrt rounds once, relative error <= u), and ``ELEMENTARY``, the relative
 error allowed to one call of exp, tanh, sin, cos or pow.  First-order terms are summed and the total
 is multiplied by ``MARGIN`` for the second-order ones.  Results that may underflow carry an absolute
@@ -33,7 +34,7 @@ import mpmath
 import numpy as np
 
 from . import compiled
-from .exact import dots_enclosure, widened
+from .exact import double_double_dots, double_double_radius, dots_enclosure, widened
 
 
 class NotEnclosed(Exception):
@@ -366,34 +367,17 @@ def lm_head(mul, cap, W, x, *, work):
     return y, w.rad(y, rel, 2 * w.tiny * (1 + abs(mul)) * (2 + (abs(cap) if cap is not None else 0)))
 
 
-def _softmax(w: _Work, s, s_rad, visible):
-    """Weights p and their relative errors per row: z = s - max rounds (u |z|) and carries the logits'
-    own radii; exp turns z's absolute error into a relative one and errs by E; the sum of L
-    nonnegative terms errs by (L - 1) u plus its terms' largest relative error; the quotient rounds.
-    Underflowed terms are off by at most tiny (the sum is >= 1)."""
-    if w.type is np.float64:
-        L = s.shape[-1]
-        p, rel = np.empty(s.shape), np.empty(s.shape)
-        if s.size:
-            compiled.softmax(_flat(s), _flat(np.broadcast_to(s_rad, s.shape)),
-                             np.ascontiguousarray(np.broadcast_to(visible, s.shape)).reshape(-1), L, _E64,
-                             p.reshape(-1), rel.reshape(-1))
-        return p, rel
-    masked = np.where(visible, s, -np.inf)
-    top_index = np.argmax(masked, axis=-1)[..., None]
-    top = np.take_along_axis(masked, top_index, axis=-1)
-    top_rad = np.take_along_axis(np.broadcast_to(s_rad, s.shape), top_index, axis=-1)
-    top = np.where(np.isfinite(top), top, 0)
-    z = np.where(visible, s - top, 0)
-    e = np.where(visible, np.exp(z), 0)
-    total = e.sum(axis=-1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        p = np.where(visible, e / np.where(total > 0, total, 1), 0)
-        shift_error = np.where(visible, s_rad + top_rad + w.u * np.abs(z), 0)
-        rel_e = np.expm1(np.minimum(shift_error, 700)) + w.elementary  # e^d - 1 bounds a shift off by d
-        L = visible.sum(axis=-1, keepdims=True)
-        rel_total = np.max(np.where(visible, rel_e, 0), axis=-1, keepdims=True) + (L - 1) * w.u
-        rel = np.where(visible, rel_e + rel_total + w.u, 0)
+def _softmax(s, s_rad, visible):
+    """Weights p and their relative errors per row (``compiled.softmax``), float64: z = s - max rounds (u |z|)
+    and carries the logits' own radii; exp turns z's absolute error into a relative one and errs by E; the
+    sum of L nonnegative terms errs by (L - 1) u plus its terms' largest relative error; the quotient
+    rounds.  Underflowed terms are off by at most tiny (the sum is >= 1)."""
+    L = s.shape[-1]
+    p, rel = np.empty(s.shape), np.empty(s.shape)
+    if s.size:
+        compiled.softmax(_flat(s), _flat(np.broadcast_to(s_rad, s.shape)),
+                         np.ascontiguousarray(np.broadcast_to(visible, s.shape)).reshape(-1), L, _E64,
+                         p.reshape(-1), rel.reshape(-1))
     return p, rel
 
 
@@ -403,77 +387,108 @@ def softmax(s, visible, *, work):
     if work is not np.float64:
         if not np.size(s):
             return DoubleWord(np.zeros(np.shape(s)), np.zeros(np.shape(s))), np.zeros(np.shape(s))
-        return _double_word(compiled.softmax_double_word, np.shape(s), _flat(s),
+        return _double_word(compiled.softmax_double_word, np.shape(s), _flat(s), np.zeros(0), np.zeros(0),
                             np.ascontiguousarray(visible).reshape(-1), np.shape(s)[-1], _MARGIN64)
     w = _Work(work)
     s = w.array(s)
-    p, rel = _softmax(w, s, 0.0, visible)
-    return p, np.where(visible, w.rad(p, rel, 2 * w.tiny), 0).astype(w.type)
+    p, rel = _softmax(s, 0.0, visible)
+    return p, np.where(visible, w.rad(p, rel, 2 * w.tiny), 0)
 
 
-def _upper_products(w: _Work, a, b, b_total):
-    """a @ b for nonnegative a [..., L] and float64 b [L, D] in ``work`` by float64 BLAS, ``b_total`` at
-    least b's column sums.  In float64 the product itself: its roundings, (L + 1) u relative, sit inside
-    the radius's MARGIN, as every radius's own roundings do.  In long double (whose matrix products are
-    numpy's own loops, not BLAS) an upper bound: widening ``a`` rounds it up; each product and sum of
-    nonnegatives then loses at most u64 relative, (L + 1) u64 in all in any order, and a value or
-    product that underflows in float64 less than 2^-1074 each, 2^-1073 (L + sum |b|) in all: the sum
-    plus that, times 1 + 2 (L + 4) u64 (which holds its own two roundings), is above."""
-    if w.type is np.float64:
-        return a @ b
-    wide = a.astype(np.float64)
-    wide = np.where(wide.astype(w.type) < a, np.nextafter(wide, np.inf), wide)
-    L = a.shape[-1]
-    return ((wide @ b + 2.0**-1073 * (L + b_total)) * (1 + (L + 4) * 2.0**-52)).astype(w.type)
-
-
-def _weighted_sums(w: _Work, p, values, values_total):
-    """p @ values in ``work`` (p [S, G, L] in it, values [L, D] in float64, ``values_total`` at least the
-    column sums of |values|) and what it adds to the radius beyond L u sum_l p_l |v_l|.  In long double:
-    the double-double sums of ``compiled.weighted_sums`` (p split exactly into two float64s), rounded
-    once to long double, err by at most u |p @ v| + 2^-66 sum_l p_l |v_l|, inside (L + 2) u sum_l p_l
-    |v_l|; their underflow adds 2^-1071 (L + sum_l |v_l|).  numpy's long double matrix product (no BLAS)
-    remains where a value is past 2^995 (or not finite), where the double-double sums could overflow."""
-    if w.type is np.float64 or not np.abs(values).max(initial=0.0) <= 2.0**995:
-        return p @ values.astype(w.type, copy=False), 0.0
-    S, G, L = p.shape
-    high = p.astype(np.float64)
-    low = (p - high).astype(np.float64)
-    out_high, out_low = np.empty((S * G, values.shape[1])), np.empty((S * G, values.shape[1]))
-    compiled.weighted_sums(high.reshape(-1, L), low.reshape(-1, L), np.ascontiguousarray(values), out_high,
-                           out_low)
-    out = (out_high.astype(w.type) + out_low.astype(w.type)).reshape(S, G, -1)
-    return out, 2.0**-1071 * (L + values_total)
+def _seen(visible, k, v):
+    """Keys no query sees weigh exactly 0: they are left out (where none is seen, every row is masked whole:
+    nothing to leave out)."""
+    seen = visible.any(axis=0)
+    if seen.any() and not seen.all():
+        return visible[:, seen], k[seen], v[seen]
+    return visible, k, v
 
 
 def _gqa(scale, visible, q, k, v, work):
     """Softmax of the logits' enclosure (``dots_enclosure`` times scale, one more rounding) and the weighted
-    sum of values in ``work`` (``_weighted_sums``): its error is at most L u sum_l p_l |v_l| in any order
-    (gamma_L), plus each weight's relative error times p_l |v_l| (those two sums bounded above by
-    ``_upper_products``).  Keys no query sees weigh exactly 0: they are left out, and L counts the rest."""
+    sum of values p @ v by float64 BLAS: its error is at most L u sum_l p_l |v_l| in any order (gamma_L, its
+    roundings inside MARGIN), plus each weight's relative error times p_l |v_l|, both sums by BLAS too.  L
+    counts the keys some query sees (``_seen``).  A float64 target's: ``_gqa_double_word``."""
+    if work is not np.float64:
+        return _gqa_double_word(scale, visible, q, k, v)
     w = _Work(work)
     scale = w.real(scale)
-    seen = visible.any(axis=0)
-    if seen.any() and not seen.all():  # where none is seen, every row is masked whole: nothing to leave out
-        k, v, visible = k[seen], v[seen], visible[:, seen]
+    visible, k, v = _seen(visible, k, v)
     wide = widened(np.asarray(v))
-    out = np.empty(q.shape, dtype=w.type)
-    rad = np.empty(q.shape, dtype=w.type)
+    out = np.empty(q.shape)
+    rad = np.empty(q.shape)
     L = k.shape[0]
     mask = visible[:, None, :]
     for c in range(q.shape[1]):
         dot, dot_rad = dots_enclosure(q[:, c], k[:, c], w.type, kept=False)  # [S, G, L]
         logits = scale * dot
         logits_rad = abs(scale) * dot_rad + w.u * np.abs(logits)
-        p, rel = _softmax(w, logits, logits_rad, mask)
+        p, rel = _softmax(logits, logits_rad, mask)
         values = wide[:, c]
         magnitudes = np.abs(values)
         total = magnitudes.sum(axis=0) * (1 + L * 2.0**-52)  # above sum_l |v_l|
-        out[:, c], underflow = _weighted_sums(w, p, values, total)
-        weight_error = _upper_products(w, rel * p, magnitudes, total)
-        magnitude = _upper_products(w, p, magnitudes, total)
-        rad[:, c] = weight_error + (L + 2) * w.u * magnitude + 2 * w.tiny * (1 + total) + underflow
+        out[:, c] = p @ values
+        rad[:, c] = (rel * p) @ magnitudes + (L + 2) * w.u * (p @ magnitudes) + 2 * w.tiny * (1 + total)
     return out, w.rad(out, 0.0, rad)
+
+
+def _upper_products(a, b):
+    """Above a @ b for nonnegative float64 a [..., L] and b [L, D], by float64 BLAS: each product and sum of
+    nonnegatives loses at most u relative, (L + 1) u in all in any order, and a product that underflows less
+    than 2^-1074: the computed sum plus 2^-1074 L, times 1 + (L + 4) 2^-52 (which also holds its own two
+    roundings and 2 u more for its callers), is above."""
+    L = a.shape[-1]
+    return (a @ b + 2.0**-1074 * L) * (1 + (L + 4) * 2.0**-52)
+
+
+def _weighted_sums_factor(L: int) -> float:
+    """F: F sum_l p_l |v_l| bounds the error of ``compiled.weighted_sums``' double word over L terms (gamma_L^2
+    and L 2^-104), rounded up."""
+    u = Fraction(1, 2**53)
+    gamma = L * u / (1 - L * u)
+    return math.nextafter(float(gamma**2 + L * Fraction(1, 2**104)), math.inf)
+
+
+def _gqa_double_word(scale, visible, q, k, v):
+    """A float64 target's attention as double words.  The logits: the dot products' double-double sums
+    (``exact.double_double_dots``, within ``exact.double_double_radius``) times the scale
+    (``compiled.scaled_sums_double_word``).  Their weights (``compiled.softmax_double_word``, which carries
+    the logits' radii) and the weighted sums of values (``compiled.weighted_sums``, within F sum_l p_l |v_l|,
+    ``_weighted_sums_factor``, and 2^-1071 (L + sum_l |v_l|) for its underflow).  The weights' radii r_l add
+    sum_l r_l |v_l|.  Both sums are one ``_upper_products`` (whose slack holds the rounding of r_l + F p_l
+    and what p_high leaves out of p = p_high + p_low, normalised).  Heads with a value past 2^995 or not
+    finite (the double-double sums could overflow), and rows whose logits' radius passes 2^-20: inf."""
+    scale = float(_Work(np.float64).real(scale))
+    visible, k, v = _seen(visible, k, v)
+    q, k, v = (np.asarray(widened(np.asarray(a)), dtype=np.float64) for a in (q, k, v))
+    S, H, G, D = q.shape
+    L = k.shape[0]
+    high, low, rad = np.empty(q.shape), np.empty(q.shape), np.empty(q.shape)
+    mask = np.ascontiguousarray(np.broadcast_to(visible[:, None, :], (S, G, L))).reshape(-1)
+    factor = _weighted_sums_factor(L)
+    for c in range(H):
+        values = np.ascontiguousarray(v[:, c])
+        magnitudes = np.abs(values)
+        if not magnitudes.max(initial=0.0) <= 2.0**995:
+            high[:, c], low[:, c], rad[:, c] = np.nan, 0.0, np.inf
+            continue
+        dot_high, dot_low, magnitude, _ = double_double_dots(q[:, c].reshape(S * G, D), k[:, c])
+        dot_rad = double_double_radius(D, magnitude)
+        s_high, s_low, s_rad = np.empty(S * G * L), np.empty(S * G * L), np.empty(S * G * L)
+        compiled.scaled_sums_double_word(scale, dot_high.reshape(-1), dot_low.reshape(-1), dot_rad.reshape(-1),
+                                         s_high, s_low, s_rad)
+        p_high, p_low, p_rad = np.empty(S * G * L), np.empty(S * G * L), np.empty(S * G * L)
+        if L:
+            compiled.softmax_double_word(s_high, s_low, s_rad, mask, L, _MARGIN64, p_high, p_low, p_rad)
+        p_high, p_low, p_rad = (a.reshape(S * G, L) for a in (p_high, p_low, p_rad))
+        out_high, out_low = np.empty((S * G, D)), np.empty((S * G, D))
+        compiled.weighted_sums(p_high, p_low, values, out_high, out_low)
+        total = magnitudes.sum(axis=0) * (1 + L * 2.0**-52)  # above sum_l |v_l|
+        with np.errstate(invalid="ignore", over="ignore"):
+            bound = _upper_products(p_rad + factor * p_high, magnitudes) + 2.0**-1071 * (L + total)
+            bound = np.where(np.isfinite(bound) & np.isfinite(out_high), bound * (1 + 2.0**-50), np.inf)
+        high[:, c], low[:, c], rad[:, c] = (a.reshape(S, G, D) for a in (out_high, out_low, bound))
+    return DoubleWord(high, low), rad
 
 
 def causal_gqa(scale, pos, q, k, v, *, work):
@@ -488,7 +503,7 @@ def sliding_gqa(scale, window, pos, q, k, v, *, work):
 
 def decode_gqa(scale, q, k, v, *, work):
     y, rad = _gqa(scale, np.ones((1, k.shape[0]), dtype=bool), q[None], k, v, work)
-    return y[0], rad[0]
+    return (DoubleWord(y.high[0], y.low[0]) if isinstance(y, DoubleWord) else y[0]), rad[0]
 
 
 def sigmoid_gate(o, gate, *, work):
@@ -501,7 +516,7 @@ def sigmoid_gate(o, gate, *, work):
 # The ops whose float64 target's enclosure is a double word (the others' is long double).
 DOUBLE_WORD = frozenset({"rms", "rmsnorm", "rmsnorm_offset", "rmsnorm_unit", "rmsnorm_gated", "l2norm", "residual",
                          "embed", "sigmoid", "silu", "silu_mul", "sigmoid_gate", "gelu_tanh", "gelu_mul",
-                         "softcap", "softmax", "rope", "rope_std"})
+                         "softcap", "softmax", "rope", "rope_std", "causal_gqa", "sliding_gqa", "decode_gqa"})
 
 ENCLOSURES = {fn.__name__: fn for fn in (
     sigmoid, silu, gelu_tanh, softcap, rms, rmsnorm, rmsnorm_offset, rmsnorm_unit, rmsnorm_gated, l2norm,

@@ -713,13 +713,9 @@ def _double_double_factor(K: int) -> float:
     return math.nextafter(float(gamma**2 * (1 + u) / (1 - gamma)), math.inf) * _ROUNDING
 
 
-def _double_double_dots_enclosure(rows: np.ndarray, b: np.ndarray, work,
-                                  kept: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """``dots_enclosure`` for float64 operands from their double-double sums (above); where a sum may
-    overflow, an operand is not finite, or the sum cancels too far for the radius (``_LOOSE``), the
-    rows and columns it is in keep the exact integer sums.  Inside ``sharing`` the sums rounded to
-    float64, m and the row sums of |b| are what ``products`` gives for these operands: the error models
-    read them instead of computing float64 BLAS products again."""
+def double_double_dots(rows: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The double-double sums sum_k rows[r, k] b[n, k] of floating rows [R, K] and b [N, K] (``compiled.dot_sums``,
+    above), as (high, low, m, the row sums of |b|): high + low [R, N] normalised (|low| <= ULP(high) / 2)."""
     K, N, R = rows.shape[-1], b.shape[0], rows.shape[0]
     rows = np.ascontiguousarray(widen(rows))
     high, low, magnitude, sums = np.empty((R, N)), np.empty((R, N)), np.empty((R, N)), np.empty(N)
@@ -728,13 +724,34 @@ def _double_double_dots_enclosure(rows: np.ndarray, b: np.ndarray, work,
         columns = slice(start, start + step)
         compiled.dot_sums(rows, np.ascontiguousarray(widen(b[columns])), high[:, columns], low[:, columns],
                           magnitude[:, columns], sums[columns])
+    return high, low, magnitude, sums
+
+
+def double_double_radius(K: int, magnitude: np.ndarray) -> np.ndarray:
+    """c m + 2^-1073 K (above), |h + l - s| at most, for the double-double sums of K products whose m is
+    ``magnitude``, rounded up (1 + 2^-50 holds its own two roundings); inf where m is past 2^1000 or not
+    finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.where(magnitude <= _FINITE, (_double_double_factor(K) * magnitude + _UNDERFLOW * K) * (1 + 2.0**-50),
+                        np.inf)
+
+
+def _double_double_dots_enclosure(rows: np.ndarray, b: np.ndarray, work,
+                                  kept: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``dots_enclosure`` for float64 operands from their double-double sums (``double_double_dots``); where a
+    sum may overflow, an operand is not finite, or the sum cancels too far for the radius (``_LOOSE``), the
+    rows and columns it is in keep the exact integer sums.  Inside ``sharing`` the sums rounded to
+    float64, m and the row sums of |b| are what ``products`` gives for these operands: the error models
+    read them instead of computing float64 BLAS products again."""
+    K = rows.shape[-1]
+    rows = np.ascontiguousarray(widen(rows))
+    high, low, magnitude, sums = double_double_dots(rows, b)
     u = np.longdouble(np.finfo(np.longdouble).eps) / 2
     with np.errstate(over="ignore", invalid="ignore"):
         total = high.astype(np.longdouble) + low
         mid = total.astype(work)
-        bound = (np.longdouble(_double_double_factor(K)) * magnitude + np.longdouble(_UNDERFLOW * K) +
-                 u * np.abs(total)) * np.longdouble(1 + 2.0**-50)
-        rad = np.where(magnitude <= _FINITE, (bound + np.abs(total - mid.astype(np.longdouble))) *
+        bound = (double_double_radius(K, magnitude).astype(np.longdouble) + u * np.abs(total)) * np.longdouble(1 + 2.0**-50)
+        rad = np.where(np.isfinite(bound), (bound + np.abs(total - mid.astype(np.longdouble))) *
                        np.longdouble(1 + 2.0**-50), np.inf).astype(work)
         loose = ~(rad <= _LOOSE * np.abs(mid))
     if loose.any():  # the rows' and columns' exact integer sums
