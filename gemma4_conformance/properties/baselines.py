@@ -29,7 +29,7 @@ from gemma4_conformance.spec.compiled import jit
 from gemma4_conformance.spec.exact import widened
 
 from .budget import ACCUMULATION
-from .error_models import AttentionInputs
+from .error_models import AttentionInputs, head_logits, head_sums
 
 SCALE_AT = ("product", "accumulated", "query", "split")
 SOFTMAX_IN = ("dtype", "accumulation")
@@ -84,14 +84,13 @@ def _logits(scale, q, k, round_d, a) -> dict[str, np.ndarray]:
     for the first two, and where D is A (``round_d`` None) they are one array."""
     s = a.type(scale)
     root = np.sqrt(s)
-    product = np.einsum("scge,lce->scgl", q, k, optimize=True)
+    product = head_logits(q, k)
     if round_d is None:
-        return {"product": product * s, "query": np.einsum("scge,lce->scgl", q * s, k, optimize=True),
-                "split": np.einsum("scge,lce->scgl", q * root, k * root, optimize=True)}
+        return {"product": product * s, "query": head_logits(q * s, k), "split": head_logits(q * root, k * root)}
     return {"product": round_d(round_d(product) * s),
             "accumulated": round_d(product * s),
-            "query": round_d(np.einsum("scge,lce->scgl", round_d(q * s), k, optimize=True)),
-            "split": round_d(np.einsum("scge,lce->scgl", round_d(q * root), round_d(k * root), optimize=True))}
+            "query": round_d(head_logits(round_d(q * s), k)),
+            "split": round_d(head_logits(round_d(q * root), round_d(k * root)))}
 
 
 def _weights(logits, visible, round_d, softmax_in: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -116,7 +115,7 @@ def _weights(logits, visible, round_d, softmax_in: tuple[str, ...]) -> dict[str,
 def _weighted(p, v, round_d) -> np.ndarray:
     """The weights ``p`` times v, accumulated in A and rounded to D, as float64."""
     round_d = round_d or (lambda x: x)
-    return round_d(np.einsum("scgl,lcd->scgd", p, v, optimize=True)).astype(np.float64)
+    return round_d(head_sums(p, v)).astype(np.float64)
 
 
 def arrangements(inputs: AttentionInputs, args: tuple, dtype: str) -> list[np.ndarray]:

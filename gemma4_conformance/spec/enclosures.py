@@ -463,7 +463,8 @@ def _gqa_double_word(scale, visible, q, k, v):
     q, k, v = (np.asarray(widened(np.asarray(a)), dtype=np.float64) for a in (q, k, v))
     S, H, G, D = q.shape
     L = k.shape[0]
-    high, low, rad = np.empty(q.shape), np.empty(q.shape), np.empty(q.shape)
+    shape = (S, H, G, v.shape[-1])
+    high, low, rad = np.empty(shape), np.empty(shape), np.empty(shape)
     mask = np.ascontiguousarray(np.broadcast_to(visible[:, None, :], (S, G, L))).reshape(-1)
     factor = _weighted_sums_factor(L)
     for c in range(H):
@@ -481,13 +482,13 @@ def _gqa_double_word(scale, visible, q, k, v):
         if L:
             compiled.softmax_double_word(s_high, s_low, s_rad, mask, L, _MARGIN64, p_high, p_low, p_rad)
         p_high, p_low, p_rad = (a.reshape(S * G, L) for a in (p_high, p_low, p_rad))
-        out_high, out_low = np.empty((S * G, D)), np.empty((S * G, D))
+        out_high, out_low = np.empty((S * G, values.shape[-1])), np.empty((S * G, values.shape[-1]))
         compiled.weighted_sums(p_high, p_low, values, out_high, out_low)
         total = magnitudes.sum(axis=0) * (1 + L * 2.0**-52)  # above sum_l |v_l|
         with np.errstate(invalid="ignore", over="ignore"):
             bound = _upper_products(p_rad + factor * p_high, magnitudes) + 2.0**-1071 * (L + total)
             bound = np.where(np.isfinite(bound) & np.isfinite(out_high), bound * (1 + 2.0**-50), np.inf)
-        high[:, c], low[:, c], rad[:, c] = (a.reshape(S, G, D) for a in (out_high, out_low, bound))
+        high[:, c], low[:, c], rad[:, c] = (a.reshape(S, G, -1) for a in (out_high, out_low, bound))
     return DoubleWord(high, low), rad
 
 
