@@ -202,3 +202,23 @@ def test_cos_sin_within_their_bound():
         worst = max(max(abs(ch + cl - mpmath.cos(x)), abs(sh + sl - mpmath.sin(x)))
                     for (ch, cl, sh, sl), x in zip(as_mpf(out), as_mpf(a)))
     assert worst <= mpmath.mpf(2) ** -78.5, float(mpmath.log(worst, 2))
+
+
+def test_exp_below_its_range_is_bounded_above():
+    """``_exp_below``, the bound of a softmax term that underflows, is above e^(y + 2^-19) / (1 - 2^-20) and
+    within 4 times e^y (or the least positive float64) from exp's range down to -10^300."""
+    y = np.concatenate([np.linspace(compiled.EXP_LOWEST - 2.0**-40, -800, 2000), -np.logspace(2.85, 6, 500),
+                        [-744.44, -745.13, -745.2, -1e300]])
+
+    @numba.njit
+    def each(y):
+        out = np.empty(y.size)
+        for i in range(y.size):
+            out[i] = compiled._exp_below(y[i])
+        return out
+
+    bound = each(y)
+    with mpmath.workprec(100):
+        for b, a in zip(as_mpf(bound), as_mpf(y)):
+            assert b >= mpmath.exp(a + mpmath.mpf(2) ** -19) / (1 - mpmath.mpf(2) ** -20), a
+            assert b <= max(4 * mpmath.exp(a), mpmath.mpf(2) ** -1074), a

@@ -465,6 +465,16 @@ def _exp_double_word(y, y_low):
 
 
 @jit
+def _exp_below(y):
+    """Above e^(y + a) / (1 - 2^-20) for y < EXP_LOWEST and |a| <= 2^-19: 2^k, k = floor(c) + 2, c = y log2(e)
+    (1 - 2^-50) (two roundings move y log2(e) by at most 2^-51.9 of itself; the factor moves it toward 0 by
+    more, so c >= y log2(e), and e^a / (1 - 2^-20) < 2), or 2^-1074 where that is less (no float64 lies
+    between it and 0)."""
+    k = math.floor(y * 1.4426950408889634 * (1 - 2.0**-50)) + 2
+    return math.ldexp(1.0, k) if k >= -1074 else 2.0**-1074
+
+
+@jit
 def _sigmoid_double_word(x, x_low, x_error):
     """1 / (1 + e^-x) for x = x + x_low (a double word, |x_low| <= 2^-43) known within x_error, as (high,
     low, relative error, absolute error): e^-x (``_exp_double_word``, moved by at most e^x_error - 1 <=
@@ -744,7 +754,7 @@ def softmax_double_word(s, s_low, s_rad, visible, L, margin, high, low, rad):
     every term has it: its own error does not count).  z = s - top is exact as TwoSum's pair, or within
     DOUBLE_WORD |z| as AccurateDWPlusDW's; e^z (``_exp_double_word``, within EXP_DOUBLE_WORD plus 2^-1074)
     is then within EXP_DOUBLE_WORD + e^d - 1 (``_grown``) of the exact term e^(s - t), d = s_rad + DOUBLE_WORD
-    |z|, for d <= 2^-20; below EXP_LOWEST it is 0 within 2^-1019.  Their sum in order by AccurateDWPlusDW
+    |z|, for d <= 2^-20; below EXP_LOWEST it is 0 within ``_exp_below``.  Their sum in order by AccurateDWPlusDW
     (terms >= 0: n additions err by at most n DOUBLE_WORD of the sum, which also carries its terms' largest
     relative error and their absolute parts); p = e^z / sum (DWDivDW, DOUBLE_WORD).  The sum is at least 1
     (top's term is exactly 1), so the absolute parts move p by at most their total, relatively.  p below
@@ -770,11 +780,11 @@ def softmax_double_word(s, s_low, s_rad, visible, L, margin, high, low, rad):
                 else:
                     zh, zl = two_sum(s[j], -top)
                     d = s_rad[j] if radii else 0.0
-                if zh < EXP_LOWEST:
-                    absolute += 2.0**-1019
-                    rad[j] = 2.0**-1019
-                elif d > 2.0**-20:
+                if d > 2.0**-20:
                     finite = False
+                elif zh < EXP_LOWEST:
+                    rad[j] = _exp_below(zh)
+                    absolute += rad[j]
                 else:
                     high[j], low[j] = _exp_double_word(zh, zl)
                     absolute += 2.0**-1074
