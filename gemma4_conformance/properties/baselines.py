@@ -94,8 +94,8 @@ def _logits(scale, q, k, round_d, a) -> dict[str, np.ndarray]:
 
 
 def _weights(logits, visible, round_d, softmax_in: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """The softmax of ``logits`` over the visible keys, rounded to D, in each of ``softmax_in`` (SOFTMAX_IN):
-    in D or in A (one where D is A); the two share the row's largest logit and its shift."""
+    """The softmax of ``logits`` [..., S, Hkv, G, L] over the visible keys, rounded to D, in each of ``softmax_in``
+    (SOFTMAX_IN): in D or in A (one where D is A); the two share the row's largest logit and its shift."""
     round_d = round_d or (lambda x: x)
     mask = np.broadcast_to(visible[:, None, None, :], logits.shape)
     top = np.max(logits, axis=-1, keepdims=True, where=mask, initial=-np.inf)
@@ -113,7 +113,8 @@ def _weights(logits, visible, round_d, softmax_in: tuple[str, ...]) -> dict[str,
 
 
 def _weighted(p, v, round_d) -> np.ndarray:
-    """The weights ``p`` times v, accumulated in A and rounded to D, as float64."""
+    """The weights ``p`` [S, Hkv, G, L] times v, accumulated in A and rounded to D, as float64 (every
+    arrangement's weights stacked on S: one product)."""
     round_d = round_d or (lambda x: x)
     return round_d(head_sums(p, v)).astype(np.float64)
 
@@ -128,8 +129,11 @@ def arrangements(inputs: AttentionInputs, args: tuple, dtype: str) -> list[np.nd
     softmax_in = SOFTMAX_IN if round_d is not None else ("accumulation",)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         logits = _logits(scale, q, k, round_d, a)
-        outputs = {(at, where): inputs.output(_weighted(p, v, round_d))
-                   for at in logits for where, p in _weights(logits[at], visible, round_d, softmax_in).items()}
+        weights = _weights(np.stack(list(logits.values())), visible, round_d, softmax_in)  # all at once
+        keys = [(at, where) for where in weights for at in logits]
+        p = np.concatenate(list(weights.values()))
+        sums = _weighted(p.reshape(-1, *p.shape[2:]), v, round_d).reshape(len(keys), *p.shape[1:-1], -1)
+        outputs = {key: inputs.output(out) for key, out in zip(keys, sums)}
     if round_d is None:  # one computation for the arrangements that differ only in roundings to D
         return [outputs["product" if at == "accumulated" else at, "accumulation"]
                 for at, _ in itertools.product(SCALE_AT, SOFTMAX_IN)]
