@@ -205,10 +205,11 @@ def test_cos_sin_within_their_bound():
 
 
 def test_exp_below_its_range_is_bounded_above():
-    """``_exp_below``, the bound of a softmax term that underflows, is above e^(y + 2^-19) / (1 - 2^-20) and
-    within 4 times e^y (or the least positive float64) from exp's range down to -10^300."""
-    y = np.concatenate([np.linspace(compiled.EXP_LOWEST - 2.0**-40, -800, 2000), -np.logspace(2.85, 6, 500),
-                        [-744.44, -745.13, -745.2, -1e300]])
+    """``_exp_below``, the bound of a softmax term that underflows and of sigmoid's extreme, is above e^(y + a) /
+    (1 - 2^-20), a = 2^-19 + 2^-53 |y|, and within 4 times e^y (or the least positive float64), from -620 down
+    to -10^300."""
+    y = np.concatenate([np.linspace(-620, -800, 2000), -np.logspace(2.85, 6, 500),
+                        [-744.44, -745.13, -745.2, -1e300, compiled.EXP_LOWEST - 2.0**-40]])
 
     @numba.njit
     def each(y):
@@ -220,5 +221,5 @@ def test_exp_below_its_range_is_bounded_above():
     bound = each(y)
     with mpmath.workprec(100):
         for b, a in zip(as_mpf(bound), as_mpf(y)):
-            assert b >= mpmath.exp(a + mpmath.mpf(2) ** -19) / (1 - mpmath.mpf(2) ** -20), a
+            assert b >= mpmath.exp(a + mpmath.mpf(2) ** -19 + abs(a) * mpmath.mpf(2) ** -53) / (1 - mpmath.mpf(2) ** -20), a
             assert b <= max(4 * mpmath.exp(a), mpmath.mpf(2) ** -1074), a

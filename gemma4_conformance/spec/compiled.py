@@ -466,10 +466,12 @@ def _exp_double_word(y, y_low):
 
 @jit
 def _exp_below(y):
-    """Above e^(y + a) / (1 - 2^-20) for y < EXP_LOWEST and |a| <= 2^-19: 2^k, k = floor(c) + 2, c = y log2(e)
-    (1 - 2^-50) (two roundings move y log2(e) by at most 2^-51.9 of itself; the factor moves it toward 0 by
-    more, so c >= y log2(e), and e^a / (1 - 2^-20) < 2), or 2^-1074 where that is less (no float64 lies
-    between it and 0)."""
+    """Above e^(y + a) / (1 - 2^-20) for y <= -620 and |a| <= 2^-19 + 2^-53 |y|: 2^k, k = floor(c) + 2, c = y
+    log2(e) (1 - 2^-50) (two roundings move y log2(e) by at most 2^-51.9 of itself; the factor moves it
+    toward 0 by more, so c >= (y + 2^-53 |y|) log2(e), and e^(2^-19) / (1 - 2^-20) < 2), or 2^-1074 where that
+    is less (no float64 lies between it and 0; below -1100, so that k stays an integer)."""
+    if y < -1100.0:
+        return 2.0**-1074
     k = math.floor(y * 1.4426950408889634 * (1 - 2.0**-50)) + 2
     return math.ldexp(1.0, k) if k >= -1074 else 2.0**-1074
 
@@ -480,13 +482,15 @@ def _sigmoid_double_word(x, x_low, x_error):
     low, relative error, absolute error): e^-x (``_exp_double_word``, moved by at most e^x_error - 1 <=
     x_error (1 + x_error) relatively for x_error <= 2^-20), 1 + it (DWPlusFP: its error passes on at most
     once, the sum being >= 1) and the reciprocal (DWDivDW), each adding DOUBLE_WORD.  Past -x > 620 the
-    result lies in (0, 2^-894): 0 within 2^-894; below -x < EXP_LOWEST, in (1 - 2^-1019, 1): 1 within
-    2^-1019.  nan, or x_error > 2^-20: inf."""
+    result lies in (0, e^x): 0 within ``_exp_below`` (x_error up to 2^-53 |x| there); below -x < EXP_LOWEST,
+    in (1 - 2^-1019, 1): 1 within 2^-1019.  nan, or x_error past those: inf."""
     y = -x
     if y != y:
         return y, 0.0, math.inf, 0.0
     if y > 620.0:
-        return 0.0, 0.0, 0.0, 2.0**-894
+        if not x_error <= 2.0**-20 + 2.0**-53 * y:
+            return y, 0.0, math.inf, 0.0
+        return 0.0, 0.0, 0.0, _exp_below(x)
     if y < EXP_LOWEST:
         return 1.0, 0.0, 0.0, 2.0**-1019
     if not x_error <= 2.0**-20:
@@ -496,6 +500,21 @@ def _sigmoid_double_word(x, x_low, x_error):
     error = (EXP_DOUBLE_WORD + x_error * (1 + x_error)) * eh + 2.0**-1074 + DOUBLE_WORD * dh
     sh, sl = _dw_divide_dw(1.0, 0.0, dh, dl)
     return sh, sl, error / dh + DOUBLE_WORD, 0.0
+
+
+@jit
+def _in_range(high):
+    """Whether a double word's magnitude lies in [DOUBLE_WORD_LOWEST, DOUBLE_WORD_HIGHEST], where its bounds hold."""
+    return DOUBLE_WORD_LOWEST <= abs(high) <= DOUBLE_WORD_HIGHEST
+
+
+@jit
+def _above(a, b):
+    """At least the product of a, b >= 0, where it may be subnormal: fl(a b) (1 + 2^-50) + 2^-1073 (each of its three
+    roundings loses at most u relative or 2^-1075; 2^-50 > 3 u); 0 where a or b is."""
+    if a == 0 or b == 0:
+        return 0.0
+    return (a * b) * (1 + 2.0**-50) + 2.0**-1073
 
 
 @jit
@@ -526,20 +545,21 @@ def silu_double_word(x, margin, high, low, rad):
         sh, sl, relative, absolute = _sigmoid_double_word(x[i], 0.0, 0.0)
         yh, yl = _dw_times_fp(sh, sl, x[i])
         high[i], low[i] = yh, yl
-        rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, absolute * abs(x[i]), x[i] == 0, margin)
+        rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, _above(absolute, abs(x[i])), x[i] == 0, margin)
 
 
 @jit
 def silu_mul_double_word(gate, up, margin, high, low, rad):
-    """silu(gate) up: two more products."""
+    """silu(gate) up: two more products (inf where the first is outside the double words' range)."""
     for i in range(gate.size):
         g = gate[i]
         sh, sl, relative, absolute = _sigmoid_double_word(g, 0.0, 0.0)
-        yh, yl = _dw_times_fp(sh, sl, g)
-        yh, yl = _dw_times_fp(yh, yl, up[i])
+        inner, yl = _dw_times_fp(sh, sl, g)
+        yh, yl = _dw_times_fp(inner, yl, up[i])
         high[i], low[i] = yh, yl
         zero = (g == 0 or up[i] == 0) and math.isfinite(g) and math.isfinite(up[i])
-        rad[i] = _double_word_rad(yh, relative + 2 * DOUBLE_WORD, absolute * abs(g) * abs(up[i]), zero, margin)
+        rad[i] = _double_word_rad(yh, relative + 2 * DOUBLE_WORD, _above(_above(absolute, abs(g)), abs(up[i])), zero,
+                                  margin) if zero or _in_range(inner) else math.inf
 
 
 @jit
@@ -550,7 +570,7 @@ def sigmoid_gate_double_word(o, gate, margin, high, low, rad):
         yh, yl = _dw_times_fp(sh, sl, o[i])
         high[i], low[i] = yh, yl
         zero = o[i] == 0 and math.isfinite(gate[i])
-        rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, absolute * abs(o[i]), zero, margin)
+        rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, _above(absolute, abs(o[i])), zero, margin)
 
 
 @jit
@@ -597,14 +617,14 @@ def normalised_double_word(x, H, root_high, root_low, root_rel, kind, w, w_step,
     """x / root per row of H (``root_double_word``) as a double word, times a factor by ``kind``: 0 none, 1 w, 2 (1
     + w) (exact by TwoSum), 3 w silu(z) (``_sigmoid_double_word``, three more products); w's row is w[row *
     w_step:].  The root's reciprocal (DWDivDW) and each product add DOUBLE_WORD.  A result is exactly 0 where x or a
-    factor is 0 and the rest finite; otherwise rad is inf where x / root is outside [DOUBLE_WORD_LOWEST,
-    DOUBLE_WORD_HIGHEST], and as ``_double_word_rad`` says."""
+    factor is 0 and the rest finite; otherwise rad is inf where x / root (for 3 also w x / root, and
+    z sigmoid(z) unless 0) is outside [DOUBLE_WORD_LOWEST, DOUBLE_WORD_HIGHEST], and as ``_double_word_rad`` says."""
     for row in range(root_high.size):
         rh, rl = _dw_divide_dw(1.0, 0.0, root_high[row], root_low[row])
         for j in range(H):
             i = row * H + j
             nh, nl = _dw_times_fp(rh, rl, x[i])
-            relative, absolute = root_rel[row] + 2 * DOUBLE_WORD, 0.0
+            relative, absolute, inner = root_rel[row] + 2 * DOUBLE_WORD, 0.0, True
             zero = x[i] == 0
             if kind == 1:
                 factor = w[row * w_step + j]
@@ -621,9 +641,10 @@ def normalised_double_word(x, H, root_high, root_low, root_rel, kind, w, w_step,
                 wh, wl = _dw_times_fp(nh, nl, factor)
                 sh, sl, relative_s, absolute_s = _sigmoid_double_word(z[i], 0.0, 0.0)
                 sh, sl = _dw_times_fp(sh, sl, z[i])
+                inner = _in_range(wh) and (sh == 0 or _in_range(sh))
                 yh, yl = _dw_times_dw(wh, wl, sh, sl)
                 relative += relative_s + 3 * DOUBLE_WORD
-                absolute = absolute_s * abs(z[i]) * abs(wh) * (1 + 2.0**-40)
+                absolute = _above(_above(absolute_s, abs(z[i])), abs(wh) * (1 + 2.0**-40))
                 zero = zero or factor == 0 or z[i] == 0
             else:
                 yh, yl = nh, nl
@@ -632,7 +653,7 @@ def normalised_double_word(x, H, root_high, root_low, root_rel, kind, w, w_step,
             if zero:  # the exact result is 0 whatever the root (which may have overflowed)
                 yh, yl = 0.0, 0.0
             high[i], low[i] = yh, yl
-            if not zero and not DOUBLE_WORD_LOWEST <= abs(nh) <= DOUBLE_WORD_HIGHEST:
+            if not zero and not (_in_range(nh) and inner):
                 rad[i] = math.inf
             else:
                 rad[i] = _double_word_rad(yh, relative, absolute, zero, margin)
@@ -660,7 +681,7 @@ def _gelu_double_word(x):
         gh, gl, relative, absolute = _sigmoid_double_word(sh, sl, (4 * DOUBLE_WORD + 2 * U * U) * abs(sh) *
                                                           (1 + 2.0**-50))
     yh, yl = _dw_times_fp(gh, gl, x)
-    return yh, yl, relative + DOUBLE_WORD, absolute * abs(x)
+    return yh, yl, relative + DOUBLE_WORD, _above(absolute, abs(x))
 
 
 @jit
@@ -680,7 +701,7 @@ def gelu_mul_double_word(gate, up, margin, high, low, rad):
         yh, yl = _dw_times_fp(yh, yl, up[i])
         high[i], low[i] = yh, yl
         zero = (g == 0 or up[i] == 0) and math.isfinite(g) and math.isfinite(up[i])
-        rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, absolute * abs(up[i]), zero, margin)
+        rad[i] = _double_word_rad(yh, relative + DOUBLE_WORD, _above(absolute, abs(up[i])), zero, margin)
 
 
 # tanh's relative error bound (``_tanh_double_word``).
