@@ -437,12 +437,17 @@ def _attention(scale, visible, q, k, v, dtype, parts=None):
     return _plain_model(*(parts or _logits(scale, visible, q, k)), np.abs(v), visible, dtype)
 
 
+def _weighted_pair(p, weight, magnitude_v):
+    """sum_l p_l |v_l| and sum_l p_l w_l |v_l| [S, Hkv, G, D], from one batched product."""
+    both = head_sums(np.concatenate([p, p * weight]), magnitude_v)
+    return both[:len(p)], both[len(p):]
+
+
 def _plain_model(p, z, magnitudes, mask, magnitude_v, visible, dtype):
     """_attention from the softmax p, |z|, a_l, the mask [S, Hkv, G, L] and |v| [L, Hkv, D] (or bounds on
     them: the model grows with each)."""
     weight = np.where(mask, 1 + np.abs(z) + magnitudes, 0.0)
-    pv = head_sums(p, magnitude_v)
-    pwv = head_sums(p * weight, magnitude_v)
+    pv, pwv = _weighted_pair(p, weight, magnitude_v)
     D = magnitude_v.shape[-1]
     d_max = format_of(dtype).eps * (3 + accumulation_ratio(dtype) * (tau(dtype) + D)) * np.max(weight, axis=-1)
     growth = np.exp(np.minimum(2 * d_max, 700))[..., None]
@@ -480,8 +485,7 @@ def _in_accumulation_model(p, z, magnitudes, mask, magnitude_v, visible, dtype):
     """_attention_in_accumulation from the softmax parts and |v|, as _plain_model."""
     D, L = magnitude_v.shape[-1], magnitude_v.shape[0]
     weight = np.where(mask, (D + 2) * magnitudes + np.abs(z) + tau(dtype) + 1, 0.0)
-    pv = head_sums(p, magnitude_v)
-    pwv = head_sums(p * weight, magnitude_v)
+    pv, pwv = _weighted_pair(p, weight, magnitude_v)
     in_accumulation = pwv + pv * (np.sum(p * weight, axis=-1)[..., None] + L + 2)
     flush = 2 * tiny(dtype) * visible_sums(visible, 1 + magnitude_v)[:, :, None, :]
     return pv, format_of(ACCUMULATION[dtype]).eps * in_accumulation + flush
