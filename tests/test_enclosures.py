@@ -198,5 +198,6 @@ def test_attention_weighted_sums_as_double_words_hold_their_bound(L, D, p_binade
         for r, d in np.ndindex(out.shape):
             terms = [p_exact[r, l] * v_exact[l, d] for l in range(L)]
             exact, magnitude = mpmath.fsum(terms), mpmath.fsum(abs(t) for t in terms)
-            bound = magnitude * factor + mpmath.mpf(2) ** -1071 * (L + mpmath.fsum(abs(v_exact[l, d]) for l in range(L)))
+            values = mpmath.fsum(abs(v_exact[l, d]) for l in range(L))
+            bound = magnitude * factor + mpmath.mpf(2) ** -1071 * (L + values)
             assert abs(out[r, d] - exact) <= bound, (r, d)

@@ -812,7 +812,9 @@ def softmax_double_word(s, s_low, s_rad, visible, L, margin, high, low, rad):
                     rad[j] = _grown(d)  # the term's own part of its relative error, for now
                     worst = max(worst, rad[j])
                     th, tl = _dw_plus_dw(th, tl, high[j], low[j])
-        shared = EXP_DOUBLE_WORD + worst + count * DOUBLE_WORD + absolute / th + DOUBLE_WORD if count and finite else 0.0
+        shared = 0.0
+        if count and finite:
+            shared = EXP_DOUBLE_WORD + worst + count * DOUBLE_WORD + absolute / th + DOUBLE_WORD
         for j in range(start, start + L):
             if not visible[j]:
                 continue
@@ -974,11 +976,11 @@ def scaled_sums_double_word(c, x_high, x_low, x_rad, high, low, rad):
 def weighted_sums(p_high, p_low, v, high, low):
     """sum_l (p_high + p_low)[r, l] v[l, d] for p [R, L] as two float64s and v [L, D], into the double-double
     high + low [R, D]: each p_high v exactly (TwoProductFMA, as ``dot_sums``), summed into high by TwoSum,
-    whose errors, the products' and p_low v go to low, normalised at the end by TwoSum (exact).  That is Ogita, Rump and Oishi's Dot2 (Accurate sum
-    and dot product, 2005) and one more term a product: high + low errs by at most gamma_L^2 sum_l |p_l
-    v_l| and L 2^-104 of it for p_low, under 2^-66 of it for L <= 2^20.  Subnormal products and their
-    errors add at most 2^-1071 (L + sum_l |v_l|) in all.  |v| <= 2^995 and p in [0, 1] keep every step
-    finite."""
+    whose errors, the products' and p_low v go to low, normalised at the end by TwoSum (exact).  That is
+    Ogita, Rump and Oishi's Dot2 (Accurate sum and dot product, 2005) and one more term a product: high +
+    low errs by at most gamma_L^2 sum_l |p_l v_l| and L 2^-104 of it for p_low, under 2^-66 of it for L <=
+    2^20.  Subnormal products and their errors add at most 2^-1071 (L + sum_l |v_l|) in all.  |v| <= 2^995
+    and p in [0, 1] keep every step finite."""
     R, L = p_high.shape
     D = v.shape[1]
     for r in range(R):

@@ -750,7 +750,8 @@ def _double_double_dots_enclosure(rows: np.ndarray, b: np.ndarray, work,
     with np.errstate(over="ignore", invalid="ignore"):
         total = high.astype(np.longdouble) + low
         mid = total.astype(work)
-        bound = (double_double_radius(K, magnitude).astype(np.longdouble) + u * np.abs(total)) * np.longdouble(1 + 2.0**-50)
+        bound = double_double_radius(K, magnitude).astype(np.longdouble) + u * np.abs(total)
+        bound = bound * np.longdouble(1 + 2.0**-50)
         rad = np.where(np.isfinite(bound), (bound + np.abs(total - mid.astype(np.longdouble))) *
                        np.longdouble(1 + 2.0**-50), np.inf).astype(work)
         loose = ~(rad <= _LOOSE * np.abs(mid))
