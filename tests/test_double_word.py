@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gemma4_conformance import spec
 from gemma4_conformance.spec import compiled, enclosures
-from gemma4_conformance.properties.error_models import _masked_softmax, head_logits, head_sums
+from gemma4_conformance.properties.error_models import head_logits, head_sums, masked_softmax
 from gemma4_conformance.properties.table import OPS
 from gemma4_conformance.spec.compiled import DOUBLE_WORD_HIGHEST, DOUBLE_WORD_LOWEST
 
@@ -81,7 +81,7 @@ def _magnitude(op, args, high):
     inputs = OPS[op].attention
     scale, visible, q, k, v = inputs(args)
     with np.errstate(all="ignore"):
-        p, _ = _masked_softmax(scale * head_logits(q, k), visible[:, None, None, :])
+        p, _ = masked_softmax(scale * head_logits(q, k), visible[:, None, None, :])
         magnitude = inputs.output(head_sums(p, np.abs(v)))
     return magnitude, 2.0**-1060 * (visible.shape[-1] + np.abs(v).sum())
 

@@ -100,6 +100,16 @@ FOUND = [
                                          "k": {"shape": [2, 1, 4], "dist": "normal", "log2": -4, "seed": 0},
                                          "v": {"shape": [2, 1, 4], "dist": "normal", "log2": 0, "seed": 0}},
                                 "offset": 64}),
+    # torch sums one logit's q.k in float32 in another order than numpy's: -98.5937424 and -98.5937653,
+    # either side of float16's tie at -98.59375 (the exact sum is -98.5937547), round 0.0625 apart; the
+    # plain arrangements summed in numpy's order alone (3.1 ULPs at the second tier's scale against
+    # 2.16; baselines.moved_logits).
+    ("sliding_gqa", "float16", {"args": {"scale": 1.0, "pos": [7], "window": 8,
+                                         "q": {"shape": [1, 8, 2, 256], "dist": "normal", "log2": -1.5,
+                                               "seed": 1195745},
+                                         "k": {"shape": [8, 8, 256], "dist": "uniform", "log2": -1.5, "seed": 218},
+                                         "v": {"shape": [8, 8, 256], "dist": "positive", "log2": -2, "seed": 111}},
+                                "offset": -100}),
 ]
 
 

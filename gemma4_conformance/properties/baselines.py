@@ -20,6 +20,7 @@ that are values of D.  For float32 and float64 (A = D) every arrangement is the 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -29,7 +30,7 @@ from gemma4_conformance.spec.compiled import jit
 from gemma4_conformance.spec.exact import widened
 
 from .budget import ACCUMULATION
-from .error_models import AttentionInputs, head_logits, head_sums
+from .error_models import AttentionInputs, attention_softmax, head_logits, head_sums, masked_softmax, moved_logits_term
 
 SCALE_AT = ("product", "accumulated", "query", "split")
 SOFTMAX_IN = ("dtype", "accumulation")
@@ -79,18 +80,102 @@ def _rounder(dtype):
     return partial(round_to_dtype, dtype=dtype), a
 
 
-def _logits(scale, q, k, round_d, a) -> dict[str, np.ndarray]:
-    """The logits in A (values of D) under each place of the scale (SCALE_AT); q.k in A is one product
-    for the first two, and where D is A (``round_d`` None) they are one array."""
+def _logits(scale, q, k, a) -> dict[str, np.ndarray]:
+    """The logits where D is A: the scale applied to the product, or to q, or split over q and k
+    (SCALE_AT's other places are the first there)."""
+    s = a.type(scale)
+    root = np.sqrt(s)
+    return {"product": head_logits(q, k) * s, "query": head_logits(q * s, k),
+            "split": head_logits(q * root, k * root)}
+
+
+def _sums(scale, q, k, round_d, a) -> dict[str, tuple[np.ndarray, Callable, tuple]]:
+    """Per place of the scale (SCALE_AT), the dot products in A before the roundings to D, what turns
+    them into that arrangement's logits, and the factors they are the dot products of (q.k in A is one
+    product for the first two)."""
     s = a.type(scale)
     root = np.sqrt(s)
     product = head_logits(q, k)
-    if round_d is None:
-        return {"product": product * s, "query": head_logits(q * s, k), "split": head_logits(q * root, k * root)}
-    return {"product": round_d(round_d(product) * s),
-            "accumulated": round_d(product * s),
-            "query": round_d(head_logits(round_d(q * s), k)),
-            "split": round_d(head_logits(round_d(q * root), round_d(k * root)))}
+    query, split = round_d(q * s), (round_d(q * root), round_d(k * root))
+    return {"product": (product, lambda x: round_d(round_d(x) * s), (q, k)),
+            "accumulated": (product, lambda x: round_d(x * s), (q, k)),
+            "query": (head_logits(query, k), round_d, (query, k)),
+            "split": (head_logits(*split), round_d, split)}
+
+
+def moved_logits(sums, scale, visible, magnitudes, dtype) -> dict[str, np.ndarray]:
+    """Per narrow arrangement (``_sums``), how far another order of accumulating its dot products can move
+    each logit [S, Hkv, G, L] (0 where masked, inf where it may overflow): the distance between the
+    logits that the two ends of the dot product's interval give.
+
+    Every order's dot product of q' and k' in A lies within gamma_(D-1) sum_e |q'_e k'_e| of the exact
+    one (products of values of D are exact in A; an underflow costs 2^-149 a term), which float64 finds
+    within gamma_D of float64 of the same sum.  sum_e |q'_e k'_e| is sum_e |q_e k_e| for the first two
+    places and at most |scale| (1 + 4 u_D) times it where q (and k) are rounded to D after the scale
+    (|scale| sum_e |q_e k_e| is ``magnitudes``, the error models' a_l, in float64).  Turning a dot
+    product into a logit (rounding, the scale) is monotone, so the interval's ends bound every order's
+    logit."""
+    if scale == 0:  # every logit is 0
+        return {at: np.zeros(magnitudes.shape) for at in sums}
+    D = next(iter(sums.values()))[2][0].shape[-1]
+    u, u_a = format_of(dtype).eps, format_of(ACCUMULATION[dtype]).eps
+    gamma = ((D - 1) * u_a / (1 - (D - 1) * u_a) + D * 2.0**-52) * (1 + 2.0**-40)  # the second: the float64 sum's
+    mask = np.broadcast_to(visible[:, None, None, :], magnitudes.shape)
+    moved, exact = {}, []
+    lo, hi = (np.empty(magnitudes.shape, dtype=np.float32) for _ in range(2))
+    with np.errstate(over="ignore", invalid="ignore"):
+        for at, (_, logit, factors) in sums.items():
+            known = next((x for f, x in exact if all(np.array_equal(a, b) for a, b in zip(f, factors))), None)
+            if known is None:  # at scale 1 every place's factors are q and k
+                known = head_logits(*(f.astype(np.float64) for f in factors))
+                exact.append((factors, known))
+            per = gamma * (1 / abs(scale) if at in ("product", "accumulated") else 1 + 4 * u)
+            _outward(known.reshape(-1), magnitudes.reshape(-1), per, D * 2.0**-149, lo.reshape(-1), hi.reshape(-1))
+            gap = np.abs(logit(hi).astype(np.float64) - logit(lo))
+            moved[at] = np.where(mask, np.where(np.isnan(gap), np.inf, gap), 0.0)
+    return moved
+
+
+@jit
+def _outward(exact, magnitudes, per, floor, lo, hi):
+    """The ends of exact -+ (per magnitudes + floor), in float32 rounded outward (one float32 step out of
+    the nearest: float64's own rounding of the ends is far less)."""
+    for i in range(exact.size):
+        width = per * magnitudes[i] + floor
+        lo[i] = np.nextafter(np.float32(exact[i] - width), np.float32(-np.inf))
+        hi[i] = np.nextafter(np.float32(exact[i] + width), np.float32(np.inf))
+
+
+def _alike(logits: dict[str, np.ndarray]) -> dict[str, str]:
+    """Each place of the scale's first place (in SCALE_AT's order) with the same logits: the arrangements
+    there are one computation (at a scale that is a power of two, every place's are)."""
+    same: dict[str, str] = {}
+    for at, x in logits.items():
+        same[at] = next((b for b in same if same[b] == b and np.array_equal(logits[b], x, equal_nan=True)), at)
+    return same
+
+
+def _reordering(moved, logits, same, visible, v) -> np.ndarray:
+    """Per output query [S, Hkv, G, D], how far another order of accumulating the dot products moves a
+    narrow arrangement's output (tolerances.yaml, attention's tier2): the largest over the arrangements
+    of ``moved_logits_term`` at the arrangement's own logits, each moving by at most ``moved`` (the
+    largest of the places with the same logits: the term grows with it)."""
+    distinct = [at for at in same if same[at] == at]
+    moves = np.stack([np.max([moved[at] for at in same if same[at] == b], axis=0) for b in distinct])
+    term = np.zeros(moves.shape[1:-1] + (v.shape[-1],))
+    rows = np.nonzero(np.any(moves > 0, axis=(0, -1)))  # (s, c, g) where a logit may move: all arrangements'
+    if rows[0].size:
+        n, every = len(distinct), (slice(None), *rows)
+        d = moves[every].reshape(-1, moves.shape[-1])
+        p, _ = masked_softmax(np.stack([logits[at] for at in distinct])[every].reshape(d.shape).astype(np.float64),
+                              np.tile(visible[rows[0]], (n, 1)))
+        heads = np.tile(rows[1], n)
+        o = np.empty((len(heads), v.shape[-1]))
+        for c in np.unique(heads):
+            o[heads == c] = p[heads == c] @ v[:, c]
+        spans = np.max(v, axis=0) - np.min(v, axis=0)  # [Hkv, D]: two averages of a head's values lie within it
+        term[rows] = moved_logits_term(p, d, v, heads, o, spans[heads]).reshape(n, -1, v.shape[-1]).max(axis=0)
+    return term
 
 
 def _weights(logits, visible, round_d, softmax_in: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -119,22 +204,33 @@ def _weighted(p, v, round_d) -> np.ndarray:
     return round_d(head_sums(p, v)).astype(np.float64)
 
 
-def arrangements(inputs: AttentionInputs, args: tuple, dtype: str) -> list[np.ndarray]:
+def arrangements(inputs: AttentionInputs, args: tuple, dtype: str) -> tuple[list[np.ndarray], np.ndarray | None]:
     """The output of the op whose arguments ``inputs`` reads under every plain arrangement, in the op's
     output shape (float64): q [S, Hkv, G, D], k, v [L, Hkv, D], visible [S, L]; rows with nothing
-    visible are 0.  Where D is A, arrangements that differ only in roundings to D are one computation."""
+    visible are 0.  Where D is A, arrangements that differ only in roundings to D are one computation.
+    With them, per output element, what another accumulation order may move them by (``_reordering``;
+    None where D is A, whose plain arrangement is the tier's own model)."""
     scale, visible, q, k, v = inputs(args)
     round_d, a = _rounder(dtype)
     q, k, v = (widened(x).astype(a, copy=False) for x in (q, k, v))  # the judging's float64 copies, exact in A
     softmax_in = SOFTMAX_IN if round_d is not None else ("accumulation",)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        logits = _logits(scale, q, k, round_d, a)
-        weights = _weights(np.stack(list(logits.values())), visible, round_d, softmax_in)  # all at once
-        keys = [(at, where) for where in weights for at in logits]
+        if round_d is None:
+            logits = _logits(scale, q, k, a)
+        else:
+            sums = _sums(scale, q, k, round_d, a)
+            logits = {at: logit(x) for at, (x, logit, _) in sums.items()}
+        same = _alike(logits)
+        distinct = [at for at in same if same[at] == at]
+        weights = _weights(np.stack([logits[at] for at in distinct]), visible, round_d, softmax_in)  # all at once
+        keys = [(at, where) for where in weights for at in distinct]
         p = np.concatenate(list(weights.values()))
-        sums = _weighted(p.reshape(-1, *p.shape[2:]), v, round_d).reshape(len(keys), *p.shape[1:-1], -1)
-        outputs = {key: inputs.output(out) for key, out in zip(keys, sums)}
+        sums_v = _weighted(p.reshape(-1, *p.shape[2:]), v, round_d).reshape(len(keys), *p.shape[1:-1], -1)
+        outputs = {key: inputs.output(out) for key, out in zip(keys, sums_v)}
     if round_d is None:  # one computation for the arrangements that differ only in roundings to D
-        return [outputs["product" if at == "accumulated" else at, "accumulation"]
-                for at, _ in itertools.product(SCALE_AT, SOFTMAX_IN)]
-    return [outputs[key] for key in itertools.product(SCALE_AT, SOFTMAX_IN)]
+        return [outputs[same.get(at, same["product"]), "accumulation"]
+                for at, _ in itertools.product(SCALE_AT, SOFTMAX_IN)], None
+    _, _, magnitudes, _ = attention_softmax(inputs, tuple(widened(x) for x in args))  # the error models' own
+    moved = moved_logits(sums, scale, visible, magnitudes, dtype)
+    term = _reordering(moved, logits, same, visible, v.astype(np.float64))
+    return [outputs[same[at], where] for at, where in itertools.product(SCALE_AT, SOFTMAX_IN)], inputs.output(term)

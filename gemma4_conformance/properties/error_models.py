@@ -369,7 +369,7 @@ def visible_sums(visible, v):
     return (visible.astype(v.dtype) @ v.reshape(v.shape[0], -1)).reshape(len(visible), *v.shape[1:])
 
 
-def _masked_softmax(logits, visible):
+def masked_softmax(logits, visible):
     """Softmax over the visible entries in float64, its shifted logits z = s - max, zeros elsewhere."""
     masked = np.where(visible, logits, -np.inf)
     top = np.max(masked, axis=-1, keepdims=True)
@@ -461,7 +461,7 @@ def _logits(scale, visible, q, k):
     logits = scale * head_logits(q, k)
     magnitudes = abs(scale) * head_logits(np.abs(q), np.abs(k))
     mask = visible[:, None, None, :]
-    p, z = _masked_softmax(logits, mask)
+    p, z = masked_softmax(logits, mask)
     return p, z, magnitudes, mask
 
 
@@ -527,11 +527,17 @@ CAUSAL, SLIDING = AttentionInputs(_causal), AttentionInputs(_sliding)
 DECODE = AttentionInputs(_decode, one_query=True)
 
 
+def attention_softmax(inputs, args):
+    """``_logits``'s parts of an attention op's arguments (as ``inputs`` reads them), once per assessment:
+    both tiers' models and the plain arrangements share them."""
+    scale, visible, q, k, _ = inputs(args)
+    return shared("attention's softmax", args, lambda: _logits(scale, visible, q, k))
+
+
 def _per_op(model, inputs, name):
     def modelled(args, dtype):
         scale, visible, q, k, v = inputs(args)
-        parts = shared("attention's softmax", args, lambda: _logits(scale, visible, q, k))  # both tiers'
-        model_scale, absolute = model(scale, visible, q, k, v, dtype, parts)
+        model_scale, absolute = model(scale, visible, q, k, v, dtype, attention_softmax(inputs, args))
         return inputs.output(model_scale), inputs.output(absolute)
 
     def error_model(args, exact, dtype):  # of the arguments alone: once per assessment, however often judged
@@ -726,7 +732,6 @@ def lm_head_declared_weights(args, dtype, name, activations=None):
 
 # ---- A declared KV cache format: what storing k and v in fp8 adds to the attention ops ----------------
 
-_SPREAD_BLOCK = 1 << 22  # elements of [S, Hkv, G, L, a block of D] the KV term holds at a time: 32 MiB
 
 
 def kv_cache_rounding(x, name: str, scale: float, dtype) -> np.ndarray:
@@ -785,19 +790,17 @@ def _kv_cache_attention(scale, visible, q, k, v, dtype, name):
         return unbounded, unbounded, unbounded, unbounded
     moved = np.where(mask, abs(scale) * head_logits(np.abs(q), e), 0.0)
     mean_moved = np.sum(p * moved, axis=-1, keepdims=True)
-    grows = np.exp(np.minimum(moved, 700))  # past e^700 the caps below hold the bound
     o = head_sums(p, v)
-    spread, weighted = np.empty(shape), (p * (grows - 1))[..., None]
-    step = max(1, _SPREAD_BLOCK // max(p.size, 1))
-    for d in range(0, v.shape[-1], step):  # sum_l p_l (e^(d_l) - 1) |v_l - o|, output features a block at a time
-        block = np.abs(v[:, :, d:d + step].transpose(1, 0, 2)[None, :, None] - o[..., None, d:d + step])
-        spread[..., d:d + step] = np.sum(weighted * block, axis=-2)
-    highest, lowest, largest_f = (_over_visible(reduce, visible, x) for reduce, x in ((np.max, v), (np.min, v), (np.max, f)))
-    farthest = np.maximum(highest - o, o - lowest)  # max over the visible keys of |v_l - o|
-    with np.errstate(over="ignore"):  # an inf is a bound the caps replace
+    rows = (-1, p.shape[-1])
+    heads = np.broadcast_to(np.arange(p.shape[1])[None, :, None], p.shape[:-1]).reshape(-1)
+    highest, lowest = (_over_visible(reduce, visible, v) for reduce in (np.max, np.min))
+    farthest = np.broadcast_to(np.maximum(highest - o, o - lowest), shape).reshape(-1, shape[-1])  # max |v_l - o|
+    moves = moved_logits_term(p.reshape(rows), moved.reshape(rows), v, heads, o.reshape(-1, shape[-1]),
+                              farthest).reshape(shape)
+    largest_f = _over_visible(np.max, visible, f)
+    with np.errstate(over="ignore"):  # an inf is a bound the cap replaces
         growth = np.exp(np.minimum(mean_moved, 700))
-        values = np.minimum(growth * head_sums(p * grows, f), largest_f)
-        term = values + np.minimum(growth * spread, farthest)
+        term = np.minimum(growth * head_sums(p * np.exp(np.minimum(moved, 700)), f), largest_f) + moves
     with np.errstate(divide="ignore"):
         weights = np.exp(np.minimum(np.log(p) + moved + mean_moved, 0.0))
     at_rounded = (weights, np.abs(z) + moved + np.max(moved, axis=-1, keepdims=True),
@@ -808,6 +811,34 @@ def _kv_cache_attention(scale, visible, q, k, v, dtype, name):
         (scale_there, absolute_there), (scale_here, absolute_here) = model(*at_rounded), model(*at_exact)
         parts += [np.maximum(scale_there - scale_here, 0.0), term + np.maximum(absolute_there - absolute_here, 0.0)]
     return tuple(parts)
+
+
+def moved_logits_term(p, moved, v, heads, o, cap):
+    """How far the output o = sum_l p_l v_l of softmax weights p moves when each logit moves by at most d_l
+    (``moved``): e^(d*) sum_l p_l (e^(d_l) - 1) |v_l - o|, d* = sum_j p_j d_j (_kv_cache_attention
+    derives it), and at most ``cap`` [R, D] (the moved weights sum to 1 too: a bound on how far apart
+    two averages of the visible values lie).  Per row r: p and moved [R, L], the KV head ``heads`` [R]
+    that reads v [L, Hkv, D], and o [R, D]; an output that is not a number has no bound: inf."""
+    weighted = p * np.expm1(np.minimum(moved, 700))  # past e^700 the cap holds the bound
+    growth = np.exp(np.minimum(np.sum(p * moved, axis=-1), 700))
+    spread = np.zeros(o.shape)
+    _spread(*(np.ascontiguousarray(x) for x in (weighted, heads, v, o)), spread)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.minimum(growth[:, None] * spread, cap)
+    return np.where(np.isnan(out), np.inf, out)
+
+
+@jit
+def _spread(weighted, heads, v, o, out):
+    """out[r, d] = sum_l weighted[r, l] |v[l, heads[r], d] - o[r, d]| over the keys l whose weight is not 0
+    (a logit that does not move costs nothing)."""
+    for r in range(weighted.shape[0]):
+        c = heads[r]
+        for l in range(weighted.shape[1]):
+            w = weighted[r, l]
+            if w != 0:
+                for d in range(v.shape[2]):
+                    out[r, d] += w * abs(v[l, c, d] - o[r, d])
 
 
 def _over_visible(reduce, visible, x):

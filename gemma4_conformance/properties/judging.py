@@ -644,32 +644,35 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
         if declared is not None:
             t_scale = t_scale + declared[3].reshape(np.shape(exact64))
             t_absolute = t_absolute + declared[4].reshape(np.shape(exact64))
+        plains, reordered = shared("plain arrangements", (*args, dtype), lambda: entry.baselines(args, dtype))
         t_scale, t_absolute = (np.broadcast_to(a, got.shape) for a in (t_scale, t_absolute))
         # rows with nothing visible (scale 0): tier 1 holds them to exactly 0
         tier = (_flat(exact64), _flat(stage.rad), _flat(t_absolute), _flat(scale_ulp(t_scale, dtype)),
                 np.ascontiguousarray(t_scale > 0).reshape(-1))
+        # a candidate, or a trivial answer, may have summed the logits in another order than the plain ones
+        answers_tier = tier if reordered is None else (*tier[:2], _flat(t_absolute + reordered), *tier[3:])
 
-        def beyond_each(answers, sign=0) -> list[float]:
+        def beyond_each(answers, sign=0, at=answers_tier) -> list[float]:
             """The largest error of each answer in ULPs at the tier's scale beyond its absolute allowance."""
             stacked = np.stack([_flat(answer) for answer in answers])
-            exact, rad, absolute, unit, judged = tier
+            exact, rad, absolute, unit, judged = at
             return decision.tier2_excess(stacked, exact, rad, float(sign), _SLACK, absolute, unit, judged).tolist()
 
         def beyond(answer, sign=0) -> float:
             return beyond_each([answer], sign)[0]
 
-        plains = shared("plain arrangements", (*args, dtype), lambda: list(entry.baselines(args, dtype)))
-        baseline = max(beyond_each(plains))
+        baseline = max(beyond_each(plains, at=tier))
         candidate = np.where(np.isfinite(got64), got64, np.inf)
         tier2 = BaselineTier(beyond(candidate), baseline, b.tier2.ulps(**quantities) + b.factor * baseline)
         if uncertain and tier2.error <= tier2.allowed:
-            lowest = b.tier2.ulps(**quantities) + b.factor * max(beyond_each(plains, -1))
+            lowest = b.tier2.ulps(**quantities) + b.factor * max(beyond_each(plains, -1, tier))
             if beyond(candidate, +1) > lowest * (1 - _SLACK):
                 whole = True
         if tier2.error > tier2.allowed:
             failures.append(
                 f"error {tier2.error:.4g} ULPs at the second tier's scale (sum_l p_l |v_l|, beyond its absolute "
-                f"allowance) > {tier2.allowed:.4g} = {b.tier2.formula} + {b.factor:g} x {baseline:.4g}, the largest "
+                f"allowance{'' if reordered is None else ' and what summing logits in another order moves'}) > "
+                f"{tier2.allowed:.4g} = {b.tier2.formula} + {b.factor:g} x {baseline:.4g}, the largest "
                 f"error of the plain {dtype} arrangements on these inputs")
 
         def tier2_admits(answer):
@@ -687,7 +690,8 @@ def _judge(entry, args, got, dtype, index, stage: _Stage, declared=None) -> tupl
         states = decision.zeroed_heads_admits(heads, count, _flat(exact64), _flat(stage.rad), flat_scale, flat_absolute,
                                               *constants)
         if tier2 is not None:
-            excess = {sign: decision.zeroed_heads_excess(heads, count, *tier[:2], float(sign), _SLACK, *tier[2:])
+            excess = {sign: decision.zeroed_heads_excess(heads, count, *answers_tier[:2], float(sign), _SLACK,
+                                                         *answers_tier[2:])
                       for sign in (0, -1, 1)}
         for h in range(count):
             if not decided(states[h]):
