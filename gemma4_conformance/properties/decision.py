@@ -31,17 +31,26 @@ def _bits(typingctx, x):
 
 
 @jit
-def _scale_ulp(scale, precision, emin, max_finite):
-    """``spec.scale_ulp`` of one element: 2^(max(e, emin) - (precision - 1)), e = floor(log2 |scale|),
+def _ulp_exponent(scale, precision, emin, max_finite):
+    """k of ``spec.scale_ulp`` of one element, 2^k: max(e, emin) - (precision - 1), e = floor(log2 |scale|),
     read from float64's exponent field."""
     magnitude = abs(scale)
     if not math.isfinite(magnitude):
         magnitude = max_finite
     e = emin if magnitude == 0 else max(((_bits(magnitude) >> 52) & 0x7FF) - 1023, emin)  # a subnormal's is below emin
-    e = e - (precision - 1)
-    if e < -1022:  # the ULP is subnormal
-        return math.ldexp(1.0, e)
-    return from_bits((e + 1023) << 52)
+    return e - (precision - 1)
+
+
+@jit
+def _power_of_two(k):
+    """2^k, k at least float64's least subnormal exponent."""
+    return math.ldexp(1.0, k) if k < -1022 else from_bits((k + 1023) << 52)
+
+
+@jit
+def _scale_ulp(scale, precision, emin, max_finite):
+    """``spec.scale_ulp`` of one element."""
+    return _power_of_two(_ulp_exponent(scale, precision, emin, max_finite))
 
 
 @jit
@@ -113,6 +122,9 @@ def verdict_units(got, exact, rad, exact_low, error, error_low, error_high, scal
     f_within, f_surely, f_beyond = True, True, False  # the sign flipped
     binade = 2.0**(precision - 1)  # a scale's ULP times this is the bottom of its binade
     sure = allowed * (1 - slack)
+    a_constant = absolute[0] / allowed if n > 0 else 0.0
+    zero_over = 0.0 / allowed
+    least_normal = 2.0**emin
     for i in range(n):
         g, e, r, s, a = got[i], exact[i], rad[i], scale[i], absolute[i * step]
         if enclosed:
@@ -120,20 +132,31 @@ def verdict_units(got, exact, rad, exact_low, error, error_low, error_high, scal
         else:
             err, err_low, err_high = error[i], error_low[i], error_high[i]
         finite = math.isfinite(g)
-        spacing = _scale_ulp(s, precision, emin, max_finite)
+        k = _ulp_exponent(s, precision, emin, max_finite)
+        spacing = _power_of_two(k)
         # Below a sixteenth of spacing's own ULP, a / allowed leaves spacing + it at spacing: it is not computed
         # (a float64 target's absolute allowance is near 2^-1022, and the quotient a subnormal number, each
         # costing the CPU about a hundred cycles; the compiler computes both sides of a branch, so what is
         # chosen is the dividend).
-        a_unit = (a if a >= allowed * spacing * 2.0**-56 else 0.0) / allowed
+        negligible = not a >= allowed * spacing * 2.0**-56  # nan too, as before
+        a_over = a_constant if step == 0 else (0.0 if negligible else a) / allowed  # one allowance for all: once
+        a_unit = zero_over if negligible else a_over
         unit = spacing + a_unit
         below = nan_max(s - r, 0.0)
-        if math.isfinite(s) and below >= spacing * binade:  # s - r in s's binade: the same ULP
+        same = math.isfinite(s) and below >= spacing * binade  # s - r in s's binade: the same ULP
+        if same:
             unit_low = unit
+        elif math.isfinite(s) and s < least_normal:  # s - r too is below D's normal numbers: the same ULP
+            unit_low = spacing + (a_over if not negligible else a / allowed)
         else:
-            unit_low = _scale_ulp(below, precision, emin, max_finite) + a / allowed
-        u = err / unit if finite else math.inf
-        u_high = err_high / unit_low if finite else math.inf
+            unit_low = _scale_ulp(below, precision, emin, max_finite) + (a_over if not negligible else a / allowed)
+        if negligible and k >= -1022 and zero_over == 0:  # unit is 2^k: times 2^-k is the same quotient
+            inverse = from_bits((1023 - k) << 52)
+            u = err * inverse if finite else math.inf
+            u_high = (err_high * inverse if same else err_high / unit_low) if finite else math.inf
+        else:
+            u = err / unit if finite else math.inf
+            u_high = err_high / unit_low if finite else math.inf
         right = flags and right_inf[i]
         if right:
             u = 0.0

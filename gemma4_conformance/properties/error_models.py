@@ -136,9 +136,20 @@ def gelu_tanh(args, exact, dtype):
 
 
 def softcap(args, exact, dtype):
-    """|y|; x / c may flush before the product with c."""
+    """|y|; x / c may flush before the product with c: product_flush(D, c, x / c, 1) (``_softcap_flush``)."""
     c, x = args
-    return np.abs(exact), product_flush(dtype, c, np.divide(x, c, out=np.zeros_like(x), where=c != 0), 1.0)  # Lean's x / 0 = 0
+    flush = np.empty(np.shape(x))
+    _softcap_flush(float(c), np.ascontiguousarray(x, dtype=np.float64).reshape(-1), tiny(dtype), flush.reshape(-1))
+    return np.abs(exact), flush
+
+
+@jit
+def _softcap_flush(c, x, tiny_d, out):
+    """tiny (1 + |c|) (1 + |x / c|) (1 + 1) per element, rounded as ``product_flush`` rounds it; x / 0 is 0
+    (Lean's)."""
+    head = tiny_d * (1 + abs(c))
+    for i in range(x.size):
+        out[i] = head * (1 + abs(x[i] / c if c != 0 else 0.0)) * (1 + 1.0)
 
 
 def _gate_up(gu):
@@ -179,11 +190,40 @@ def _normalisation(eps, x, mean=True):
     return x * inverse, inverse
 
 
-def _norm(dtype, exact, x_hat, inverse, x, *factors):
+def _norm(args, exact, dtype, mean=True, offset=False, gated=False):
     """|y|; the norm is formed in the accumulation format (factors x, 1/rms and the weights) and the
-    normalised x may then be rounded to the dtype and multiplied there (factors x_hat and the weights)."""
-    flush = product_flush(dtype, x_hat, *factors) + product_flush(ACCUMULATION[dtype], x, inverse, *factors)
+    normalised x may then be rounded to the dtype and multiplied there (factors x_hat and the weights):
+    ``product_flush`` of each, summed (``_norm_flush``).  The weights are 1 + |w| where ``offset``; a
+    gated norm's silu(z) = z sigmoid(z) adds the factors z and sigmoid(z) <= 1."""
+    eps, x, *rest = args
+    x_hat, inverse = _normalisation(eps, x, mean)
+    w = (1 + np.abs(rest[-1]) if offset else rest[-1]) if rest else np.zeros(0)
+    z = rest[0] if gated else np.zeros((0, 0))
+    H = x.shape[-1]
+    flush = np.empty(np.shape(x))
+    _norm_flush(*(np.ascontiguousarray(a, dtype=np.float64).reshape(-1, H) for a in (x, x_hat)),
+                np.ascontiguousarray(inverse, dtype=np.float64).reshape(-1), np.ascontiguousarray(w, dtype=np.float64),
+                np.ascontiguousarray(z, dtype=np.float64).reshape(-1, H) if gated else z, gated, tiny(dtype),
+                tiny_accumulated(dtype), flush.reshape(-1, H))
     return np.abs(exact), flush
+
+
+@jit
+def _norm_flush(x, x_hat, inverse, w, z, gated, tiny_d, tiny_a, out):
+    """product_flush(D, x_hat, w, z, 1) + product_flush(A, x, 1/rms, w, z, 1) per element, with the factors
+    a norm has (w, z and the 1 where given), rounded as ``product_flush`` rounds them."""
+    weighted, gate = w.size > 0, z.size > 0
+    for n in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            in_d = tiny_d * (1 + abs(x_hat[n, k]))
+            in_a = tiny_a * (1 + abs(x[n, k])) * (1 + abs(inverse[n]))
+            if weighted:
+                in_d, in_a = in_d * (1 + abs(w[k])), in_a * (1 + abs(w[k]))
+            if gate:
+                in_d, in_a = in_d * (1 + abs(z[n, k])), in_a * (1 + abs(z[n, k]))
+            if gated:
+                in_d, in_a = in_d * (1 + 1.0), in_a * (1 + 1.0)
+            out[n, k] = in_d + in_a
 
 
 def rms(args, exact, dtype):
@@ -191,29 +231,23 @@ def rms(args, exact, dtype):
 
 
 def rmsnorm(args, exact, dtype):
-    eps, x, w = args
-    return _norm(dtype, exact, *_normalisation(eps, x), x, w)
+    return _norm(args, exact, dtype)
 
 
 def rmsnorm_offset(args, exact, dtype):
-    eps, x, w = args
-    return _norm(dtype, exact, *_normalisation(eps, x), x, 1 + np.abs(w))
+    return _norm(args, exact, dtype, offset=True)
 
 
 def rmsnorm_unit(args, exact, dtype):
-    eps, x = args
-    return _norm(dtype, exact, *_normalisation(eps, x), x)
+    return _norm(args, exact, dtype)
 
 
 def rmsnorm_gated(args, exact, dtype):
-    """silu(z) = z sigmoid(z) adds the factors z and sigmoid(z) <= 1."""
-    eps, x, z, w = args
-    return _norm(dtype, exact, *_normalisation(eps, x), x, w, z, 1.0)
+    return _norm(args, exact, dtype, gated=True)
 
 
 def l2norm(args, exact, dtype):
-    eps, x = args
-    return _norm(dtype, exact, *_normalisation(eps, x, mean=False), x)
+    return _norm(args, exact, dtype, mean=False)
 
 
 def _products(x, W, signed=False):
@@ -313,29 +347,34 @@ def rope(args, exact, dtype):
     D = x.shape[-1]
     freqs, factors = _angle_factors(theta, denom, active, min(rot // 2, D), dtype)
     rows = np.ascontiguousarray(x, dtype=np.float64).reshape(math.prod(x.shape[:-1]), D)
-    scale, angle_error = np.empty(rows.shape), np.empty(rows.shape)
+    scale, absolute = np.empty(rows.shape), np.empty(rows.shape)
     _rope_model(rows, np.asarray(pos, dtype=np.float64).reshape(-1), freqs, factors, rot // 2,
-                format_of(ACCUMULATION[dtype]).eps, scale, angle_error)
-    scale, angle_error = scale.reshape(x.shape), angle_error.reshape(x.shape)
-    return scale, angle_error + product_flush(dtype, scale, 1.0) * 2
+                format_of(ACCUMULATION[dtype]).eps, tiny(dtype), scale, absolute)
+    return scale.reshape(x.shape), absolute.reshape(x.shape)
 
 
 @jit
-def _rope_model(x, pos, freqs, factors, half, u_acc, scale, angle_error):
-    """``rope``'s scale and angle error for rows x [N, D] at positions pos [N]: rotated pair i, i + half
-    (i < freqs.size) at frequency freqs[i], whose angle's relative error is u_acc factors[i]."""
+def _rope_model(x, pos, freqs, factors, half, u_acc, tiny_d, scale, absolute):
+    """``rope``'s scale and absolute allowance for rows x [N, D] at positions pos [N]: rotated pair i,
+    i + half (i < freqs.size) at frequency freqs[i], whose angle's relative error is u_acc factors[i].
+    The products with cos and sin may flush: 2^emin (1 + r) 2, twice.  The pair's norm r is the root of
+    its squares' sum (a float64 rounding or two from hypot's; hypot where the squares leave float64's
+    range)."""
     N, D = x.shape
     for n in range(N):
         for k in range(D):
-            scale[n, k], angle_error[n, k] = abs(x[n, k]), 0.0
+            scale[n, k], absolute[n, k] = abs(x[n, k]), 0.0
         for i in range(freqs.size):
             j = i + half
             partner = x[n, j] if j < D else 0.0
-            r = math.hypot(x[n, i], partner)
+            squares = x[n, i] * x[n, i] + partner * partner
+            r = math.sqrt(squares) if 2.0**-900 < squares < 2.0**900 else math.hypot(x[n, i], partner)
             scale[n, i] = r
-            angle_error[n, i] = r * u_acc * abs(pos[n] * freqs[i]) * factors[i]
+            absolute[n, i] = r * u_acc * abs(pos[n] * freqs[i]) * factors[i]
             if j < D:
-                scale[n, j], angle_error[n, j] = r, angle_error[n, i]
+                scale[n, j], absolute[n, j] = r, absolute[n, i]
+        for k in range(D):
+            absolute[n, k] += tiny_d * (1 + scale[n, k]) * (1 + 1.0) * 2
 
 
 def inv_freq(args, exact, dtype):
@@ -383,21 +422,23 @@ def masked_softmax(logits, visible):
 
 def softmax(args, exact, dtype):
     """p_l (1 + |z_l| + sum_j p_j |z_j|): exp(z) turns an absolute error in z into a relative one,
-    and the normalising sum spreads every term's error over the row.  Masked entries must be exactly 0."""
+    and the normalising sum spreads every term's error over the row.  p is the exact result (to float64:
+    the model sizes a budget).  Masked entries must be exactly 0."""
     s, visible = args
     visible = np.broadcast_to(np.asarray(visible, dtype=bool), s.shape)
     scale = np.empty(s.shape)
     if s.size:
-        _softmax_scale(np.ascontiguousarray(s, dtype=np.float64).reshape(-1),
-                       np.ascontiguousarray(visible).reshape(-1), s.shape[-1], scale.reshape(-1))
+        _softmax_scale(np.ascontiguousarray(s, dtype=np.float64).reshape(-1), np.ascontiguousarray(visible).reshape(-1),
+                       np.ascontiguousarray(np.broadcast_to(exact, s.shape), dtype=np.float64).reshape(-1),
+                       s.shape[-1], scale.reshape(-1))
     return scale, np.where(visible, 2 * tiny(dtype), 0.0)
 
 
 @jit
-def _softmax_scale(s, visible, L, scale):
-    """``softmax``'s scale per row of L logits, in one pass a step: the visible ones' softmax p in float64,
-    z = s - max (the max 0 where it is not finite, nan where a logit is), and p (1 + |z| + sum_j p_j |z_j|)
-    where visible, 0 elsewhere."""
+def _softmax_scale(s, visible, p, L, scale):
+    """``softmax``'s scale per row of L logits, in one pass a step: z = s - max over the visible ones (the
+    max 0 where it is not finite, nan where a logit is), and p (1 + |z| + sum_j p_j |z_j|) where visible,
+    0 elsewhere."""
     for start in range(0, s.size, L):
         top = -math.inf
         for j in range(start, start + L):
@@ -407,17 +448,11 @@ def _softmax_scale(s, visible, L, scale):
                     break
         if not math.isfinite(top):
             top = 0.0
-        total = 0.0
-        for j in range(start, start + L):
-            scale[j] = math.exp(s[j] - top) if visible[j] else 0.0
-            total += scale[j]
         spread = 0.0
         for j in range(start, start + L):
-            scale[j] = scale[j] / total if total > 0 else 0.0
-            spread += scale[j] * abs(s[j] - top) if visible[j] else 0.0
+            spread += p[j] * abs(s[j] - top) if visible[j] else 0.0
         for j in range(start, start + L):
-            if visible[j]:
-                scale[j] = scale[j] * (1 + abs(s[j] - top) + spread)
+            scale[j] = p[j] * (1 + abs(s[j] - top) + spread) if visible[j] else 0.0
 
 
 def _attention(scale, visible, q, k, v, dtype, parts=None):

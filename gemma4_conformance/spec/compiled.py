@@ -206,7 +206,9 @@ def _grown(d):
 def softmax(s, s_rad, visible, L, E, mid, rel):
     """Weights p and their relative errors per row of L (``spec.enclosures._softmax``): the row's
     largest visible logit (the first, or the first nan; the first logit where none is visible) is
-    shifted to 0, and the exp terms are summed in order (their error bound holds in any order)."""
+    shifted to 0, and the exp terms are summed in order (their error bound holds in any order).
+    ``s_rad`` empty: the logits are exact."""
+    exact = s_rad.size == 0
     for row in range(s.size // L):
         start = row * L
         top_index, top, count = start, -math.inf, 0
@@ -215,7 +217,7 @@ def softmax(s, s_rad, visible, L, E, mid, rel):
                 count += 1
                 if top == top and (s[j] > top or s[j] != s[j]):
                     top_index, top = j, s[j]
-        top_rad = s_rad[top_index]
+        top_rad = 0.0 if exact else s_rad[top_index]
         if not math.isfinite(top):
             top = 0.0
         total, worst = 0.0, 0.0
@@ -225,7 +227,7 @@ def softmax(s, s_rad, visible, L, E, mid, rel):
                 z = s[j] - top
                 mid[j] = math.exp(z)
                 total += mid[j]
-                shift = s_rad[j] + top_rad + U * abs(z)
+                shift = (0.0 if exact else s_rad[j]) + top_rad + U * abs(z)
                 rel[j] = _grown(shift) + E
                 worst = nan_max(worst, rel[j])
         rel_total = worst + (count - 1) * U
@@ -233,6 +235,15 @@ def softmax(s, s_rad, visible, L, E, mid, rel):
             if visible[j]:
                 mid[j] = mid[j] / (total if total > 0 else 1.0)
                 rel[j] = rel[j] + rel_total + U
+
+
+@jit
+def softmax_enclosure(s, visible, L, E, absolute, margin, mid, rad):
+    """``softmax`` of exact logits, with radii: rel |p| + ``absolute`` (with the margin) where visible,
+    0 elsewhere."""
+    softmax(s, np.zeros(0), visible, L, E, mid, rad)
+    for j in range(s.size):
+        rad[j] = _rad(mid[j], rad[j], absolute, margin) if visible[j] else 0.0
 
 
 @jit

@@ -389,10 +389,12 @@ def softmax(s, visible, *, work):
             return DoubleWord(np.zeros(np.shape(s)), np.zeros(np.shape(s))), np.zeros(np.shape(s))
         return _double_word(compiled.softmax_double_word, np.shape(s), _flat(s), np.zeros(0), np.zeros(0),
                             np.ascontiguousarray(visible).reshape(-1), np.shape(s)[-1], _MARGIN64)
-    w = _Work(work)
-    s = w.array(s)
-    p, rel = _softmax(s, 0.0, visible)
-    return p, np.where(visible, w.rad(p, rel, 2 * w.tiny), 0)
+    s = _flat(s)
+    p, rad = np.empty(visible.shape), np.empty(visible.shape)
+    if s.size:
+        compiled.softmax_enclosure(s, np.ascontiguousarray(visible).reshape(-1), visible.shape[-1], _E64,
+                                   2 * _Work(work).tiny, _MARGIN64, p.reshape(-1), rad.reshape(-1))
+    return p, rad
 
 
 def _seen(visible, k, v):
