@@ -431,7 +431,7 @@ def softmax(args, exact, dtype):
         _softmax_scale(np.ascontiguousarray(s, dtype=np.float64).reshape(-1), np.ascontiguousarray(visible).reshape(-1),
                        np.ascontiguousarray(np.broadcast_to(exact, s.shape), dtype=np.float64).reshape(-1),
                        s.shape[-1], scale.reshape(-1))
-    return scale, np.where(visible, 2 * tiny(dtype), 0.0)
+    return scale, 2 * tiny(dtype) if visible.all() else np.where(visible, 2 * tiny(dtype), 0.0)
 
 
 @jit
