@@ -62,7 +62,8 @@ def test_another_order_of_the_dot_products_moves_no_logit_beyond_its_bound(data)
     sums = _sums(scale, q, k, round_d, np.dtype(np.float32))
     visible = np.ones((1, k.shape[0]), dtype=bool)
     magnitudes = abs(scale) * head_logits(np.abs(q).astype(np.float64), np.abs(k).astype(np.float64))
-    moved = moved_logits(sums, scale, visible, magnitudes, dtype)
+    dots = head_logits(q.astype(np.float64), k.astype(np.float64))
+    moved = moved_logits(sums, scale, visible, magnitudes, dots, dtype)
     order = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).permutation(q.shape[-1])
     for at, (blas, logit, (q_, k_)) in sums.items():
         terms = q_[:, :, :, None, :] * k_.transpose(1, 0, 2)[None, :, None]  # [S, Hkv, G, L, D], exact in float32

@@ -30,7 +30,8 @@ from gemma4_conformance.spec.compiled import jit
 from gemma4_conformance.spec.exact import widened
 
 from .budget import ACCUMULATION
-from .error_models import AttentionInputs, attention_softmax, head_logits, head_sums, masked_softmax, moved_logits_term
+from .error_models import (AttentionInputs, attention_dots, attention_softmax, head_logits, head_sums, masked_softmax,
+                           moved_logits_term)
 
 SCALE_AT = ("product", "accumulated", "query", "split")
 SOFTMAX_IN = ("dtype", "accumulation")
@@ -103,7 +104,7 @@ def _sums(scale, q, k, round_d, a) -> dict[str, tuple[np.ndarray, Callable, tupl
             "split": (head_logits(*split), round_d, split)}
 
 
-def moved_logits(sums, scale, visible, magnitudes, dtype) -> dict[str, np.ndarray]:
+def moved_logits(sums, scale, visible, magnitudes, dots, dtype) -> dict[str, np.ndarray]:
     """Per narrow arrangement (``_sums``), how far another order of accumulating its dot products can move
     each logit [S, Hkv, G, L] (0 where masked, inf where it may overflow): the distance between the
     logits that the two ends of the dot product's interval give.
@@ -112,9 +113,9 @@ def moved_logits(sums, scale, visible, magnitudes, dtype) -> dict[str, np.ndarra
     one (products of values of D are exact in A; an underflow costs 2^-149 a term), which float64 finds
     within gamma_D of float64 of the same sum.  sum_e |q'_e k'_e| is sum_e |q_e k_e| for the first two
     places and at most |scale| (1 + 4 u_D) times it where q (and k) are rounded to D after the scale
-    (|scale| sum_e |q_e k_e| is ``magnitudes``, the error models' a_l, in float64).  Turning a dot
-    product into a logit (rounding, the scale) is monotone, so the interval's ends bound every order's
-    logit."""
+    (|scale| sum_e |q_e k_e| is ``magnitudes``, the error models' a_l, in float64; q.k is ``dots``).
+    Turning a dot product into a logit (rounding, the scale) is monotone, so the interval's ends bound
+    every order's logit.  At scale 1 every place is the first: q and k stay as they are."""
     if scale == 0:  # every logit is 0
         return {at: np.zeros(magnitudes.shape) for at in sums}
     D = next(iter(sums.values()))[2][0].shape[-1]
@@ -124,26 +125,28 @@ def moved_logits(sums, scale, visible, magnitudes, dtype) -> dict[str, np.ndarra
     moved, exact = {}, []
     lo, hi = (np.empty(magnitudes.shape, dtype=np.float32) for _ in range(2))
     with np.errstate(over="ignore", invalid="ignore"):
-        for at, (_, logit, factors) in sums.items():
+        for at, (_, logit, factors) in sums.items() if scale != 1 else [("product", sums["product"])]:
             known = next((x for f, x in exact if all(np.array_equal(a, b) for a, b in zip(f, factors))), None)
-            if known is None:  # at scale 1 every place's factors are q and k
-                known = head_logits(*(f.astype(np.float64) for f in factors))
+            if known is None:
+                known = dots if at == "product" else head_logits(*(f.astype(np.float64) for f in factors))
                 exact.append((factors, known))
             per = gamma * (1 / abs(scale) if at in ("product", "accumulated") else 1 + 4 * u)
             _outward(known.reshape(-1), magnitudes.reshape(-1), per, D * 2.0**-149, lo.reshape(-1), hi.reshape(-1))
             gap = np.abs(logit(hi).astype(np.float64) - logit(lo))
             moved[at] = np.where(mask, np.where(np.isnan(gap), np.inf, gap), 0.0)
-    return moved
+    return moved if scale != 1 else dict.fromkeys(sums, moved["product"])
 
 
 @jit
 def _outward(exact, magnitudes, per, floor, lo, hi):
-    """The ends of exact -+ (per magnitudes + floor), in float32 rounded outward (one float32 step out of
-    the nearest: float64's own rounding of the ends is far less)."""
+    """The ends of exact -+ (per magnitudes + floor) in float32, rounded outward: each end moved out by
+    2^-23 of its magnitude and float32's least subnormal before its rounding to nearest, which moves it
+    by at most half that (float64's own roundings of the ends are far less)."""
     for i in range(exact.size):
         width = per * magnitudes[i] + floor
-        lo[i] = np.nextafter(np.float32(exact[i] - width), np.float32(-np.inf))
-        hi[i] = np.nextafter(np.float32(exact[i] + width), np.float32(np.inf))
+        out = width + (abs(exact[i]) + width) * 2.0**-23 + 2.0**-149
+        lo[i] = np.float32(exact[i] - out)
+        hi[i] = np.float32(exact[i] + out)
 
 
 def _alike(logits: dict[str, np.ndarray]) -> dict[str, str]:
@@ -230,7 +233,9 @@ def arrangements(inputs: AttentionInputs, args: tuple, dtype: str) -> tuple[list
     if round_d is None:  # one computation for the arrangements that differ only in roundings to D
         return [outputs[same.get(at, same["product"]), "accumulation"]
                 for at, _ in itertools.product(SCALE_AT, SOFTMAX_IN)], None
-    _, _, magnitudes, _ = attention_softmax(inputs, tuple(widened(x) for x in args))  # the error models' own
-    moved = moved_logits(sums, scale, visible, magnitudes, dtype)
+    wide = tuple(widened(x) for x in args)  # the error models' own arguments: they share what they make of them
+    _, _, magnitudes, _ = attention_softmax(inputs, wide)
+    _, _, q64, k64, _ = inputs(wide)
+    moved = moved_logits(sums, scale, visible, magnitudes, attention_dots(q64, k64), dtype)
     term = _reordering(moved, logits, same, visible, v.astype(np.float64))
     return [outputs[same[at], where] for at, where in itertools.product(SCALE_AT, SOFTMAX_IN)], inputs.output(term)

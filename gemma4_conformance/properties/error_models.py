@@ -491,9 +491,15 @@ def _plain_model(p, z, magnitudes, mask, magnitude_v, visible, dtype):
     return first_order * growth, np.broadcast_to(flush, pwv.shape)
 
 
+def attention_dots(q, k):
+    """head_logits(q, k) of float64 q and k, once per assessment (the error models' logits and the plain
+    arrangements' reordering share them)."""
+    return shared("attention's dot products", (q, k), lambda: head_logits(q, k))
+
+
 def _logits(scale, visible, q, k):
     """The exact logits' softmax p and shifted logits z [S, Hkv, G, L], |scale| sum_e |q_e k_le| and the mask."""
-    logits = scale * head_logits(q, k)
+    logits = scale * attention_dots(q, k)
     magnitudes = abs(scale) * head_logits(np.abs(q), np.abs(k))
     mask = visible[:, None, None, :]
     p, z = masked_softmax(logits, mask)
