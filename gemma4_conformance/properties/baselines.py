@@ -122,15 +122,13 @@ def moved_logits(sums, scale, visible, magnitudes, dots, dtype) -> dict[str, np.
     u, u_a = format_of(dtype).eps, format_of(ACCUMULATION[dtype]).eps
     gamma = ((D - 1) * u_a / (1 - (D - 1) * u_a) + D * 2.0**-52) * (1 + 2.0**-40)  # the second: the float64 sum's
     mask = np.broadcast_to(visible[:, None, None, :], magnitudes.shape)
-    moved, exact = {}, []
+    moved = {}
     lo, hi = (np.empty(magnitudes.shape, dtype=np.float32) for _ in range(2))
     with np.errstate(over="ignore", invalid="ignore"):
         for at, (_, logit, factors) in sums.items() if scale != 1 else [("product", sums["product"])]:
-            known = next((x for f, x in exact if all(np.array_equal(a, b) for a, b in zip(f, factors))), None)
-            if known is None:
-                known = dots if at == "product" else head_logits(*(f.astype(np.float64) for f in factors))
-                exact.append((factors, known))
-            per = gamma * (1 / abs(scale) if at in ("product", "accumulated") else 1 + 4 * u)
+            scaled_first = at in ("product", "accumulated")  # their factors are q and k
+            known = dots if scaled_first else head_logits(*(f.astype(np.float64) for f in factors))
+            per = gamma * (1 / abs(scale) if scaled_first else 1 + 4 * u)
             _outward(known.reshape(-1), magnitudes.reshape(-1), per, D * 2.0**-149, lo.reshape(-1), hi.reshape(-1))
             gap = np.abs(logit(hi).astype(np.float64) - logit(lo))
             moved[at] = np.where(mask, np.where(np.isnan(gap), np.inf, gap), 0.0)
