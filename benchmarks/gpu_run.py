@@ -12,8 +12,11 @@ stopped with SIGINT at ``--deadline`` seconds so that it still writes its report
 ``KILL_AFTER`` seconds later if it has not stopped (its report's stream keeps every test it
 finished).  Then the reports are merged into one page and the summary is printed and written beside
 it, ending with the closing lines (``closing``: the reports each job left, jax's compile time).
+Each job's thread pools get its share of the cores (``_env``); the summary gives its exit, wall and CPU
+time, and ``Monitor`` samples the load, the GPU's use and each job's CPU share and threads every 10 s.
 ``--out`` receives (the device tool returns at most eight files, 16 MiB each): ``gpu.html`` (the
-merged page), ``summary.txt`` (what is printed), ``runs.tar.gz`` (each job's JSON report and log),
+merged page), ``summary.txt`` (what is printed), ``runs.tar.gz`` (each job's JSON report and log, and
+``monitor.log``),
 per library ``traces-JOB.tar.gz`` and, on a GPU, ``sdpa-nan.txt`` (``sdpa_nan_check``).
 
 Beside the jobs run the record step and, on a GPU, the SDPA NaN check.  The record step: each
@@ -112,11 +115,17 @@ def preflight(device: str) -> dict[str, str]:
     return problems
 
 
-def _env() -> dict:
+def _env(threads: int | None = None) -> dict:
+    """The jobs' environment; ``threads``: each job's share of the cores for its thread pools (OpenMP,
+    OpenBLAS, MKL; torch reads OMP_NUM_THREADS), unless the caller set them."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1"}
     # JAX takes 75% of the GPU's memory at start unless told not to: a dozen processes share it here.
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # Ten jobs with a pool of a thread per core each would outnumber the cores tenfold, and threads that
+    # spin waiting for each other then lose their slices to the other jobs'.
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS") if threads else ():
+        env.setdefault(name, str(threads))
     return env
 
 
@@ -138,6 +147,8 @@ def run(jobs: list[Job], args, work: Path) -> dict[str, dict]:
     running, results = {}, {}
     pending = list(jobs)
     start = time.monotonic()
+    threads = max(1, (os.cpu_count() or 1) // min(args.jobs, len(jobs)))
+    monitor = Monitor(work / "monitor.log", args.device != "cpu")
     while pending or running:
         while pending and len(running) < args.jobs:
             job = pending.pop(0)
@@ -147,13 +158,15 @@ def run(jobs: list[Job], args, work: Path) -> dict[str, dict]:
             cmd = command(job, args, work / f"{job.name}.json", first=not results and not running)
             log.write(" ".join(cmd) + "\n\n")
             log.flush()
-            process = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=_env(),
+            process = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=_env(threads),
                                        start_new_session=True)
             running[job.name] = (job, process, time.monotonic(), log)
         time.sleep(1)
+        monitor.sample(time.monotonic() - start, {name: process.pid for name, (_, process, _, _) in running.items()})
         for name, (job, process, began, log) in list(running.items()):
             elapsed = time.monotonic() - began
-            if process.poll() is None:
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)  # not poll(): wait4 gives the job's CPU time
+            if not pid:
                 if elapsed > args.deadline and not results.get(name, {}).get("interrupted"):
                     os.killpg(process.pid, signal.SIGINT)
                     results[name] = {"interrupted": True}
@@ -161,11 +174,56 @@ def run(jobs: list[Job], args, work: Path) -> dict[str, dict]:
                     os.killpg(process.pid, signal.SIGKILL)
                 continue
             log.close()
-            results[name] = {**results.get(name, {}), "status": process.returncode, "wall": elapsed}
+            process.returncode = os.waitstatus_to_exitcode(status)
+            results[name] = {**results.get(name, {}), "status": process.returncode, "wall": elapsed,
+                             "cpu": usage.ru_utime + usage.ru_stime}
             del running[name]
-            print(f"[{time.monotonic() - start:6.0f} s] {name}: exit {process.returncode} after {elapsed:.0f} s"
+            print(f"[{time.monotonic() - start:6.0f} s] {name}: exit {process.returncode} after {elapsed:.0f} s, "
+                  f"{results[name]['cpu']:.0f} CPU s"
                   + (" (stopped at the deadline)" if results[name].get("interrupted") else ""), flush=True)
+    monitor.close()
     return results
+
+
+class Monitor:
+    """What the machine was doing while the jobs ran, every ``EVERY`` seconds, in ``path`` (bundled with the
+    logs): the load average, the GPU's use, and per running job its CPU use since the last sample and its
+    threads, read from /proc (Linux; elsewhere the file says so)."""
+
+    EVERY = 10.0
+
+    def __init__(self, path: Path, gpu: bool):
+        self.file, self.gpu, self.last, self.ticks = open(path, "w"), gpu, -self.EVERY, {}
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def sample(self, now: float, pids: dict[str, int]) -> None:
+        if now - self.last < self.EVERY:
+            return
+        interval, self.last = now - self.last, now
+        try:
+            load = Path("/proc/loadavg").read_text().split()[0]
+        except OSError:
+            self.file.write(f"[{now:6.0f} s] no /proc here: nothing sampled\n")
+            return
+        parts = [f"load {load}"]
+        if self.gpu:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader"],
+                                 capture_output=True, text=True)
+            parts.append(f"gpu {smi.stdout.strip() or smi.stderr.strip()[:80]}")
+        for name, pid in pids.items():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            ticks = sum(int(f) for f in fields[11:15])  # utime, stime and those of the children it waited for
+            used = (ticks - self.ticks.get(name, 0)) / self.hz / interval if name in self.ticks else None
+            self.ticks[name] = ticks
+            parts.append(f"{name} " + (f"{100 * used:.0f}%" if used is not None else "started") + f" {fields[17]} thr")
+        self.file.write(f"[{now:6.0f} s] " + " | ".join(parts) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def sdpa_nan_check(args, out: Path) -> list[str]:
@@ -261,7 +319,7 @@ def summarize(job: Job, result: dict, work: Path) -> list[str]:
     lines = [f"== {job.name}  (--backend={job.spec}): {job.why}"]
     path = work / f"{job.name}.json"
     status = result.get("status")
-    lines.append(f"   exit {status}, wall {result.get('wall', 0):.0f} s"
+    lines.append(f"   exit {status}, wall {result.get('wall', 0):.0f} s, CPU {result.get('cpu', 0):.0f} s"
                  + (", stopped at the deadline: results are partial" if result.get("interrupted") else ""))
     try:
         doc = report.load(path)

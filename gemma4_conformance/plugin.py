@@ -331,10 +331,19 @@ def pytest_runtest_makereport(item, call):
         _, name, dtype, what = subject(item)
         recorder.excused[name, dtype, what] = entry.reason
     elif rep.failed and (rep.when != "call" or call.excinfo is not None and is_broken(call.excinfo.value)):
-        recorder.problems.append(Problem(item.nodeid, rep.when, call.excinfo.exconly()[:2000]))
+        recorder.problems.append(Problem(item.nodeid, rep.when, clipped(call.excinfo.exconly())))
     if call.excinfo is not None and call.excinfo.errisinstance(UnsupportedSkip):
         rep.conformance_unsupported = True  # an attribute, so that it travels from an xdist worker
     return rep
+
+
+def clipped(message: str, limit: int = 2000) -> str:
+    """``message`` in at most about ``limit`` characters: its start and its end.  A library that wraps an
+    error in its own (jaxlib's "Exception raised in callback: Traceback ...") puts the cause last."""
+    if len(message) <= limit:
+        return message
+    head, tail = limit // 4, limit - limit // 4
+    return f"{message[:head]}\n... ({len(message) - head - tail} characters left out) ...\n{message[-tail:]}"
 
 
 def pytest_report_teststatus(report, config):

@@ -4,6 +4,7 @@ the first time it meets a GPU."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -29,12 +30,15 @@ def test_the_gpu_run_script_runs_its_jobs_on_the_cpu_and_writes_the_merged_repor
                                                     "traces-torch-tf32-on.tar.gz"}
     summary = (tmp_path / "summary.txt").read_text()
     assert "left out jax-sdpa-cudnn: it needs a GPU" in summary
-    assert "== torch-tf32-on  (--backend=torch[tf32=on])" in summary and "exit 0" in summary
+    assert "== torch-tf32-on  (--backend=torch[tf32=on])" in summary
+    assert re.search(r"exit 0, wall \d+ s, CPU [1-9]\d* s", summary), summary
     assert "torch-tf32-on on cpu; float32 matmuls in IEEE float32" in summary
     assert "float32   3 passed" in summary and "time in the op tests: backend" in summary
     assert "reports: 1 of 1 jobs left one (all whole)" in summary
     with tarfile.open(tmp_path / "runs.tar.gz") as bundle:
-        assert set(bundle.getnames()) == {"torch-tf32-on.json", "torch-tf32-on.log"}
+        assert set(bundle.getnames()) == {"torch-tf32-on.json", "torch-tf32-on.log", "monitor.log"}
+        monitor = bundle.extractfile("monitor.log").read().decode()
+    assert re.search(r"\[ +\d+ s\] load [\d.]+ \| torch-tf32-on (started|\d+%) \d+ thr", monitor), monitor
     assert "torch-tf32-on" in (tmp_path / "gpu.html").read_text()
     # The record step: the job's forward written as a trace file that judges as conformant elsewhere.
     assert "recorded torch-tf32-on-float32.safetensors" in summary and "forward test exit 0" in summary

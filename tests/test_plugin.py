@@ -23,6 +23,7 @@ from gemma4_conformance.plugin import (
     EXIT_BROKEN,
     EXIT_CONFORMANT,
     EXIT_NOT_CONFORMANT,
+    clipped,
     is_broken,
 )
 from gemma4_conformance.properties.deviations import Deviations, DeviationsError
@@ -268,6 +269,18 @@ def test_a_shipped_deviations_file_is_passed_by_its_name(tmp_path, monkeypatch):
         Deviations.load(["otherengine"])
     with pytest.raises(DeviationsError, match="cannot read"):  # a path stays a path
         Deviations.load([str(tmp_path / "missing.yaml")])
+
+
+def test_a_broken_tests_long_message_keeps_its_start_and_its_cause():
+    """On the H100 (docs/gpu.md) jaxlib wrapped an error in "Exception raised in callback:" and the whole
+    Python stack, 2000 characters of frames before the cause, which the report cut off."""
+    frames = "".join(f'  File "/site-packages/_pytest/runner.py", line {i}, in call\n' for i in range(100))
+    message = f"ContractViolation: jax.rope in float64 raised RuntimeError: Exception raised in callback: " \
+              f"Traceback (most recent call last):\n{frames}KeyboardInterrupt"
+    kept = clipped(message)
+    assert kept.startswith("ContractViolation: jax.rope in float64 raised RuntimeError")
+    assert kept.endswith("in call\nKeyboardInterrupt") and len(kept) < 2100 and "characters left out" in kept
+    assert clipped("short") == "short"
 
 
 def test_only_a_failure_beyond_budget_counts_as_nonconformance():
