@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,7 +93,7 @@ CERTIFICATION = "test_reference_is_certified_by_the_oracle"  # the suite's own c
 RECORDING = "test_forward_matches_reference"  # the record step's test: the forward, its trace file written
 
 
-def preflight(device: str) -> dict[str, str]:
+def preflight(device: str, timeout: float = 300) -> dict[str, str]:
     """Per library, "" when it can run on ``device``, else why not; exits when the suite cannot run at all."""
     missing = [name for name in NEEDED if importlib.util.find_spec(name) is None]
     if missing:
@@ -107,12 +108,78 @@ def preflight(device: str) -> dict[str, str]:
             continue
         probe = (f"from gemma4_conformance.adapters import {library}_backend as b; d = b.resolve_device({device!r}); "
                  f"print(b.device_environment(d))")
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_env(), timeout=300)
+        try:
+            done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_env(),
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            problems[library] = f"its probe of {device} did not answer in {timeout:.0f} s"
+            continue
         if done.returncode:
             problems[library] = (done.stderr.strip().splitlines() or ["failed"])[-1]
         else:
             print(f"{library}: {done.stdout.strip()}")
     return problems
+
+
+class Mps:
+    """CUDA's Multi-Process Service, for the jobs' GPU.  Without it the GPU time-slices the jobs' contexts:
+    on the H100 (docs/gpu.md) ten jobs' small kernels kept it 99% busy while each torch job spun a core
+    waiting, and a serving test that takes 17 s on 2 CPU cores took 239 s.  Through MPS the processes'
+    kernels run side by side in one context.  Its daemon's pipe and log folders go in ``folder``; the
+    children find them through the environment (``_env`` copies it)."""
+
+    CONTROL = "nvidia-cuda-mps-control"
+    FOLDERS = {"CUDA_MPS_PIPE_DIRECTORY": "pipe", "CUDA_MPS_LOG_DIRECTORY": "log"}
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def start(self) -> str:
+        """Starts the daemon; returns "" or why it is not running."""
+        control = shutil.which(self.CONTROL)
+        if control is None:
+            return f"no {self.CONTROL} on the PATH"
+        for name, sub in self.FOLDERS.items():
+            (self.folder / sub).mkdir(parents=True, exist_ok=True)
+            os.environ[name] = str(self.folder / sub)
+        try:
+            done = subprocess.run([control, "-d"], capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            done = None
+        if done is None or done.returncode:
+            self.stop()
+            return f"{self.CONTROL} -d " + ("did not return in 30 s" if done is None else
+                                              f"exited {done.returncode}: {(done.stderr or done.stdout).strip()[:200]}")
+        return ""
+
+    def stop(self) -> None:
+        control = shutil.which(self.CONTROL)
+        if control and os.environ.get("CUDA_MPS_PIPE_DIRECTORY") == str(self.folder / "pipe"):
+            try:
+                subprocess.run([control], input="quit\n", capture_output=True, text=True, timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        for name in self.FOLDERS:
+            os.environ.pop(name, None)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def gpu_service(args) -> tuple[dict[str, str], Mps | None, str]:
+    """The preflight's problems per library, the MPS daemon the jobs share (or None) and the summary's line
+    about it.  The preflight checks MPS too: where a library cannot use the GPU through it, the daemon is
+    stopped and the preflight run again without it."""
+    if args.device == "cpu" or args.mps == "off":
+        return preflight(args.device), None, "" if args.device == "cpu" else "MPS: off (--mps=off)"
+    mps = Mps(Path(tempfile.mkdtemp(prefix="gpu-run-mps-")))
+    why = mps.start()
+    if why:
+        return preflight(args.device), None, f"MPS: not used ({why}); the GPU time-slices the jobs"
+    problems = preflight(args.device, timeout=90)
+    if not problems:
+        return problems, mps, f"MPS: on ({Mps.CONTROL} -d), the jobs' kernels share the GPU"
+    mps.stop()
+    first = "; ".join(f"{library}: {problem}" for library, problem in problems.items())
+    return preflight(args.device), None, f"MPS: stopped, the GPU was not usable through it ({first[:300]})"
 
 
 def _env(threads: int | None = None) -> dict:
@@ -384,18 +451,30 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="jobs run at once (default: the CPUs)")
     parser.add_argument("--only", default="", help="comma-separated job names (default: all); see JOBS")
     parser.add_argument("--quick", action="store_true", help="a few ops in float32 and bf16: checks the script")
+    parser.add_argument("--mps", choices=("auto", "off"), default="auto",
+                        help="on a GPU, run the jobs through CUDA's Multi-Process Service where its daemon starts "
+                             "and every library can use the GPU through it (auto, the default), or not (off)")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "gpu", help="where the files go")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
     args = parser.parse_args(argv)
 
     begun = time.monotonic()
     on_gpu = args.device != "cpu"
-    problems = preflight(args.device)
+    problems, mps, service = gpu_service(args)
+    try:
+        return _main(args, begun, on_gpu, problems, service)
+    finally:
+        if mps is not None:
+            mps.stop()
+
+
+def _main(args, begun: float, on_gpu: bool, problems: dict[str, str], service: str) -> int:
     jobs = [job for job in JOBS if not args.only or job.name in args.only.split(",")]
     unknown = set(filter(None, args.only.split(","))) - {job.name for job in JOBS}
     if unknown:
         sys.exit(f"gpu_run: no job named {', '.join(sorted(unknown))}; jobs: {', '.join(j.name for j in JOBS)}")
-    notes = [f"left out {job.name}: it needs a GPU" for job in jobs if job.gpu_only and not on_gpu]
+    notes = [service] if service else []
+    notes += [f"left out {job.name}: it needs a GPU" for job in jobs if job.gpu_only and not on_gpu]
     notes += [f"left out {job.name}: {problems[job.library]}" for job in jobs if job.library in problems]
     jobs = [job for job in jobs if (on_gpu or not job.gpu_only) and job.library not in problems]
     for note in notes:

@@ -3,6 +3,7 @@ the first time it meets a GPU."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -68,3 +69,51 @@ def test_the_summary_reads_the_stream_of_a_job_that_was_killed(tmp_path):
     assert any(line.strip() == "float32   1 passed; least headroom rms 2x" for line in lines), lines
     assert gpu_run.closing([job], {job.name: result}, tmp_path)[0] == (
         "reports: 1 of 1 jobs left one (1 read from the stream of a job that was killed: torch)")
+
+
+def fake_mps_control(folder: Path, status: int = 0) -> Path:
+    """An ``nvidia-cuda-mps-control`` that logs its arguments, its MPS folders and its input, in ``folder``."""
+    program = folder / "bin" / gpu_run.Mps.CONTROL
+    program.parent.mkdir()
+    program.write_text(f"#!/bin/sh\necho \"$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY "
+                       f"input=$(test $# = 0 && cat)\" >> {folder / 'calls'}\nexit {status}\n")
+    program.chmod(0o755)
+    return program.parent
+
+
+def test_on_a_gpu_the_jobs_share_it_through_mps_unless_a_library_cannot_use_it(tmp_path, monkeypatch):
+    args = argparse.Namespace(device="cuda", mps="auto")
+    monkeypatch.setenv("PATH", str(fake_mps_control(tmp_path)), prepend=os.pathsep)
+    seen = []  # the MPS pipe folder each preflight ran with
+    monkeypatch.setattr(gpu_run, "preflight", lambda device, timeout=300: seen.append(
+        os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) or {})
+    problems, mps, note = gpu_run.gpu_service(args)
+    assert not problems and note == "MPS: on (nvidia-cuda-mps-control -d), the jobs' kernels share the GPU"
+    pipe = seen[0]
+    assert pipe and (tmp_path / "calls").read_text() == f"-d pipe={pipe} log={Path(pipe).parent / 'log'} input=\n"
+    assert gpu_run._env()["CUDA_MPS_PIPE_DIRECTORY"] == pipe  # the jobs find the daemon
+    mps.stop()
+    assert (tmp_path / "calls").read_text().splitlines()[1] == f" pipe={pipe} log={Path(pipe).parent / 'log'} input=quit"
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ and not Path(pipe).exists()
+
+    # A library that cannot reach the GPU through the daemon: it is stopped, the preflight runs again without it.
+    (tmp_path / "calls").unlink()
+    seen.clear()
+    monkeypatch.setattr(gpu_run, "preflight", lambda device, timeout=300: seen.append(
+        os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) or ({"jax": "no GPU"} if len(seen) == 1 else {}))
+    problems, mps, note = gpu_run.gpu_service(args)
+    assert not problems and mps is None and seen[0] and seen[1] is None
+    assert note == "MPS: stopped, the GPU was not usable through it (jax: no GPU)"
+    assert [line.split()[0] for line in (tmp_path / "calls").read_text().splitlines()] == ["-d", "pipe=" + seen[0]]
+
+
+def test_mps_that_does_not_start_leaves_the_jobs_time_slicing(tmp_path, monkeypatch):
+    args = argparse.Namespace(device="cuda", mps="auto")
+    monkeypatch.setattr(gpu_run, "preflight", lambda device, timeout=300: {})
+    monkeypatch.setenv("PATH", str(tmp_path))  # no control program
+    assert gpu_run.gpu_service(args)[1:] == (None, "MPS: not used (no nvidia-cuda-mps-control on the PATH); "
+                                                   "the GPU time-slices the jobs")
+    monkeypatch.setenv("PATH", str(fake_mps_control(tmp_path, status=1)))
+    _, mps, note = gpu_run.gpu_service(args)
+    assert mps is None and note.startswith("MPS: not used (nvidia-cuda-mps-control -d exited 1")
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
