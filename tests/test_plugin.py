@@ -258,6 +258,13 @@ def test_a_malformed_deviations_file_is_refused_naming_the_file_and_entry(tmp_pa
     assert str(path) in str(error.value) and message in str(error.value)
 
 
+def test_every_shipped_deviations_file_loads_and_names_its_backend():
+    from gemma4_conformance.properties import deviations
+    for name in deviations.shipped():
+        entries = Deviations.load([name]).entries
+        assert entries and {e.backend for e in entries} == {name.removesuffix("-cuda")}, name
+
+
 def test_a_shipped_deviations_file_is_passed_by_its_name(tmp_path, monkeypatch):
     from gemma4_conformance.properties import deviations
     monkeypatch.setattr(deviations, "SHIPPED", tmp_path)
