@@ -259,3 +259,20 @@ def test_digits_hold_any_sum_of_shifted_int64_parts_exactly(seed):
     assert any(w < 0 for w in want) and any(w > 0 for w in want)
     assert list(cancelled.integers()[0]) == [0] * outputs
     assert list(exact_sums._Digits(3).integers()[0]) == [0, 0, 0]
+
+
+def test_the_judges_products_run_blas_on_one_thread_and_leave_it_as_it_was():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from gemma4_conformance.spec.exact import one_blas_thread
+
+    def blas_threads():
+        return [pool["num_threads"] for pool in threadpoolctl.threadpool_info() if pool["user_api"] == "blas"]
+
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        assert set(blas_threads()) == {2}
+        with one_blas_thread():
+            assert set(blas_threads()) == {1}
+            with one_blas_thread():
+                assert set(blas_threads()) == {1}
+            assert set(blas_threads()) == {1}  # the inner block leaves the outer's limit
+        assert set(blas_threads()) == {2}

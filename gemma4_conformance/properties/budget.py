@@ -64,6 +64,12 @@ def _evaluate(node: ast.AST, names: dict[str, float]) -> float:
     raise ValueError(f"unsupported syntax {ast.dump(node)}")
 
 
+@cache
+def _parsed(formula: str) -> ast.Expression:
+    """A budget's formula as a syntax tree, parsed once: a run evaluates each thousands of times."""
+    return ast.parse(formula, mode="eval")
+
+
 @dataclass(frozen=True)
 class Budget:
     op: str
@@ -82,7 +88,7 @@ class Budget:
         ratio = accumulation_ratio(self.dtype)
         names = {"ratio": ratio, "fn": tau(self.dtype) * ratio, **quantities}
         try:
-            return _evaluate(ast.parse(self.formula, mode="eval"), names)
+            return _evaluate(_parsed(self.formula), names)
         except KeyError as e:
             raise KeyError(f"tolerances.yaml: budget of {self.op}/{self.dtype} uses {e}, "
                            f"which this example does not define (has {sorted(names)})") from None

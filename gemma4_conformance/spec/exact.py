@@ -415,8 +415,10 @@ class _Digits:
 
 
 @functools.cache
-def _blas() -> ThreadpoolController:
-    return ThreadpoolController()
+def _blas_libraries() -> list:
+    """The BLAS libraries loaded, as threadpoolctl's controllers of each (its ``limit`` costs three times
+    their own calls, and a run enters ``one_blas_thread`` tens of thousands of times)."""
+    return ThreadpoolController().select(user_api="blas").lib_controllers
 
 
 _limited = 0  # depth of one_blas_thread blocks: an inner one costs nothing
@@ -431,12 +433,17 @@ def one_blas_thread():
     if _limited:
         yield
         return
-    with _blas().limit(limits=1, user_api="blas"):
-        _limited += 1
-        try:
-            yield
-        finally:
-            _limited -= 1
+    libraries = _blas_libraries()
+    before = [library.get_num_threads() for library in libraries]
+    for library in libraries:
+        library.set_num_threads(1)
+    _limited += 1
+    try:
+        yield
+    finally:
+        _limited -= 1
+        for library, threads in zip(libraries, before):
+            library.set_num_threads(threads)
 
 
 def _from_integers(total: np.ndarray, exponent: int, rounded: bool) -> np.ndarray:
