@@ -310,7 +310,7 @@ def _judged_in_blocks(entry, args, got, dtype) -> Verdict | None:
     if work is not np.float64 and entry.name not in enclosures.DOUBLE_WORD:
         return None
     _, _, allowed, constants = _allowance(entry, args, dtype)
-    _, lead = CONTRACT[entry.name].bind(*args)
+    lead = table.row_axes(entry.name, args)
     rows = int(np.prod(lead, dtype=np.int64))
     per_row = got.size // rows if rows else 1
     outputs = got.reshape(rows, per_row)

@@ -67,11 +67,19 @@ def _rows(op, args, keep):
     return _row_args(op, args, keep), tuple(index)
 
 
+def row_axes(op, args) -> tuple[int, ...]:
+    """The axes that index a row-wise op's rows: the contract's row axes ("..."), or an embedding's tokens
+    (its contract names them T; each output row reads its own token's row of the table)."""
+    return np.shape(args[2]) if op == "embed" else spec.CONTRACT[op].bind(*args)[1]
+
+
 def _row_args(op, args, rows) -> tuple:
     """The arguments of a row-wise op for ``rows`` (indices or a slice) of its leading axes, flattened."""
     contract = spec.CONTRACT[op]
-    _, lead = contract.bind(*args)
+    lead = row_axes(op, args)
     n = int(np.prod(lead, dtype=np.int64))
+    if op == "embed":  # the tokens, with only the rows of the table they read
+        return _embed(args, np.arange(n)[rows])[0]
     sub = []
     for a, value in zip(contract.args, args):
         if a.kind in ("float", "index", "mask") and a.shape.startswith("..."):
@@ -84,7 +92,7 @@ def _row_args(op, args, rows) -> tuple:
 def row_blocks(op, args, step: int):
     """(first row, end row, the arguments of those rows) of a row-wise op, ``step`` rows at a time (the
     leading axes flattened; each block's arrays are views of the arguments)."""
-    _, lead = spec.CONTRACT[op].bind(*args)
+    lead = row_axes(op, args)
     n = int(np.prod(lead, dtype=np.int64))
     for start in range(0, n, step):
         stop = min(n, start + step)
@@ -267,8 +275,9 @@ class OpEntry:
 
     @property
     def row_wise(self) -> bool:
-        """Each output row depends on its own rows of the arguments alone (``row_blocks`` splits it)."""
-        return self.restrict is restrict_rows
+        """Each output row depends on its own rows of the arguments alone (``row_blocks`` splits it), an
+        embedding's on its own token (every block reads the whole table)."""
+        return self.restrict in (restrict_rows, restrict_embed)
 
     @property
     def prefill(self) -> bool:
