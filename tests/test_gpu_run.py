@@ -117,3 +117,14 @@ def test_mps_that_does_not_start_leaves_the_jobs_time_slicing(tmp_path, monkeypa
     _, mps, note = gpu_run.gpu_service(args)
     assert mps is None and note.startswith("MPS: not used (nvidia-cuda-mps-control -d exited 1")
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_on_a_gpu_a_job_takes_the_known_deviations_the_suite_ships_for_it():
+    """torch-sdpa's FlashAttention returns NaN at scale 0 on CUDA (deviations/torch-sdpa-cuda.yaml): the plain
+    torch-sdpa job reports it as that known deviation; its variants, and every job on the CPU, are left as they are."""
+    jobs = {job.name: job for job in gpu_run.JOBS}
+    def options(name, device):
+        args = argparse.Namespace(device=device, quick=False, profile="default", pytest_args=[])
+        return [o for o in gpu_run.command(jobs[name], args, Path("r.json"), True) if o.startswith("--known")]
+    assert options("torch-sdpa", "cuda") == ["--known-deviations=torch-sdpa-cuda"]
+    assert options("torch-sdpa", "cpu") == options("torch-sdpa-tf32-on", "cuda") == options("torch", "cuda") == []
