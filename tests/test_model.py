@@ -57,3 +57,31 @@ def test_the_reference_certifies_every_output_of_the_12b_geometrys_calls():
     for op, args in calls.items():
         _, index = OPS[op].sample(op, args, np.random.default_rng(0), CERTIFY_WORK)
         assert index[0] is Ellipsis, f"{op}'s call is sampled"
+
+
+def test_a_long_sequences_reference_certifies_every_op_the_sequence_ones_whole(tmp_path):
+    """A long session's reference (the slow serving test's) certifies rope's and attention's calls whole and
+    every other op's on the outputs the op tests' sampler draws: every op of the graph, and at the 12B
+    geometry's 1036 tokens a per-token op's call is sampled."""
+    from gemma4_conformance.properties.forward import LONG_CONTEXT_OPS, SAMPLED_WORK, Certificate
+    from gemma4_conformance.properties.table import OPS
+    from gemma4_conformance.composition.graph import AdapterOps
+    from gemma4_conformance.adapters import numpy_backend
+
+    weights = checkpoint.load(generate.write_checkpoint(tmp_path, tiny_config(), seed=3))
+    tokens = np.arange(12) % weights.config.vocab_size
+    called, certificate = set(), Certificate(ops=LONG_CONTEXT_OPS, sampled=True)
+
+    def observe(node, op, args, out):
+        called.add(op)
+        certificate(node, op, args, out)
+
+    forward(AdapterOps(numpy_backend, "float64", observe=observe), weights.config, weights, tokens)
+    assert certificate.certified == called and LONG_CONTEXT_OPS <= called and len(called) > len(LONG_CONTEXT_OPS)
+    assert not certificate.failures
+    whole = Certificate(ops=LONG_CONTEXT_OPS)
+    forward(AdapterOps(numpy_backend, "float64", observe=whole), weights.config, weights, tokens)
+    assert whole.certified == LONG_CONTEXT_OPS & called  # without sampled, the others are left out
+    down = (np.broadcast_to(1.0, (3840, 15360)), np.broadcast_to(1.0, (1036, 15360)))
+    _, index = OPS["linear"].sample("linear", down, np.random.default_rng(0), SAMPLED_WORK)
+    assert index[0] is not Ellipsis

@@ -269,8 +269,8 @@ class OpEntry:
     attention: error_models.AttentionInputs | None = None  # an attention op's arguments as queries
     blocks: tuple[int, ...] = ()  # row blocks (M) whose batch invariance is checked beside 1 and all rows
     # The op reads positions or keys across a sequence (the graph's rope and prefill attention), so a long
-    # sequence's reference certifies its calls beyond those of the forward test; every other op acts on
-    # each token alone, with the weights and shapes per token that test certifies.
+    # sequence's reference certifies its calls whole; every other op acts on each token alone, with the
+    # weights and shapes per token that the forward test certifies whole, and there it samples their calls.
     long_context: bool = False
 
     @property
