@@ -123,10 +123,9 @@ def preflight(device: str, timeout: float = 300) -> dict[str, str]:
 
 
 class Mps:
-    """CUDA's Multi-Process Service, for the jobs' GPU.  Without it the GPU time-slices the jobs' contexts:
-    on the H100 (docs/gpu.md) ten jobs' small kernels kept it 99% busy while each torch job spun a core
-    waiting, and a serving test that takes 17 s on 2 CPU cores took 239 s.  Through MPS the processes'
-    kernels run side by side in one context.  Its daemon's pipe and log folders go in ``folder``; the
+    """CUDA's Multi-Process Service, for the jobs' GPU.  Without it the GPU time-slices the jobs' contexts,
+    and the serving and invariance tests' many small kernels wait their turns (docs/gpu.md, the H100 run).
+    Through MPS the processes' kernels run side by side in one context.  Its daemon's pipe and log folders go in ``folder``; the
     children find them through the environment (``_env`` copies it)."""
 
     CONTROL = "nvidia-cuda-mps-control"

@@ -32,7 +32,7 @@ FLOOR = 8  # unit roundoffs of the dtype: below that, errors are a handful of fi
 CERTIFY_WORK = 2**62
 # The calls a long sequence's reference certifies whole (the entries' ``long_context``); the others' it samples,
 # at a sixteenth of an op test's work: float64's products cost the first stage more than the samplers' model
-# says, and at the op tests' work a 12B layer's at 1036 tokens took 17 CPU s (docs/measurements.md).
+# of the oracle's work counts (docs/measurements.md).
 SAMPLED_WORK = ORACLE_WORK // 16
 LONG_CONTEXT_OPS = frozenset(name for name, entry in OPS.items() if entry.long_context)
 

@@ -416,8 +416,8 @@ class _Digits:
 
 @functools.cache
 def _blas_libraries() -> list:
-    """The BLAS libraries loaded, as threadpoolctl's controllers of each (its ``limit`` costs three times
-    their own calls, and a run enters ``one_blas_thread`` tens of thousands of times)."""
+    """The BLAS libraries loaded, as threadpoolctl's controllers of each: its ``limit`` costs several times
+    their own calls, and a run enters ``one_blas_thread`` tens of thousands of times."""
     return ThreadpoolController().select(user_api="blas").lib_controllers
 
 
