@@ -415,10 +415,8 @@ class _Digits:
 
 
 @functools.cache
-def _blas_libraries() -> list:
-    """The BLAS libraries loaded, as threadpoolctl's controllers of each: its ``limit`` costs several times
-    their own calls, and a run enters ``one_blas_thread`` tens of thousands of times."""
-    return ThreadpoolController().select(user_api="blas").lib_controllers
+def _blas() -> ThreadpoolController:
+    return ThreadpoolController()
 
 
 _limited = 0  # depth of one_blas_thread blocks: an inner one costs nothing
@@ -433,17 +431,12 @@ def one_blas_thread():
     if _limited:
         yield
         return
-    libraries = _blas_libraries()
-    before = [library.get_num_threads() for library in libraries]
-    for library in libraries:
-        library.set_num_threads(1)
-    _limited += 1
-    try:
-        yield
-    finally:
-        _limited -= 1
-        for library, threads in zip(libraries, before):
-            library.set_num_threads(threads)
+    with _blas().limit(limits=1, user_api="blas"):
+        _limited += 1
+        try:
+            yield
+        finally:
+            _limited -= 1
 
 
 def _from_integers(total: np.ndarray, exponent: int, rounded: bool) -> np.ndarray:
