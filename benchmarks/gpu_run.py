@@ -81,7 +81,6 @@ JOBS = [
 # (docs/gpu.md: what each took on the H200, and what is left).
 KINDS = tuple(f"gemma4_conformance.properties.{kind}" for kind in
               ("test_forward", "test_serving", "test_invariance", "test_relations", "test_agreement"))
-SHIPPED = ROOT / "gemma4_conformance" / "deviations"  # the known deviations the suite ships, NAME.yaml
 KILL_AFTER = 30  # seconds after its SIGINT that a job still running is killed (its report's stream stays)
 QUICK_OPS = "test_matches_oracle and (-linear] or -causal_gqa] or -rmsnorm])"  # --quick: a matmul, attention, a norm
 # The bf16 decode that torch-sdpa returned NaN for on the H200 (2026-12-04): rerun with each SDPA kernel
@@ -206,7 +205,9 @@ def command(job: Job, args, report: Path, first: bool) -> list[str]:
         cmd += ["-k", " and ".join(f"({k})" for k in keywords)]
     if args.quick:
         cmd.append("--dtype=float32,bfloat16")
-    if args.device != "cpu" and (SHIPPED / f"{job.spec}-cuda.yaml").is_file():  # measured on a GPU: docs/gpu.md
+    from gemma4_conformance.properties.deviations import shipped  # after preflight: the suite's needs are there
+
+    if args.device != "cpu" and f"{job.spec}-cuda" in shipped():  # measured on a GPU: docs/gpu.md
         cmd.append(f"--known-deviations={job.spec}-cuda")
     return cmd + args.pytest_args
 

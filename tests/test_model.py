@@ -85,3 +85,9 @@ def test_a_long_sequences_reference_certifies_every_op_the_sequence_ones_whole(t
     down = (np.broadcast_to(1.0, (3840, 15360)), np.broadcast_to(1.0, (1036, 15360)))
     _, index = OPS["linear"].sample("linear", down, np.random.default_rng(0), SAMPLED_WORK)
     assert index[0] is not Ellipsis
+    # A sampled call still fails the certificate where the reference is wrong: a norm off by 1%, everywhere.
+    x, w = np.random.default_rng(1).standard_normal((1036, 3840)), np.ones(3840)
+    normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    wrong = Certificate(ops=LONG_CONTEXT_OPS, sampled=True)
+    wrong("layers.0.input_norm", "rmsnorm", (1e-6, x, w), normed * 1.01)
+    assert wrong.checked < wrong.outputs and wrong.failures

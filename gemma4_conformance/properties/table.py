@@ -276,7 +276,7 @@ class OpEntry:
     @property
     def row_wise(self) -> bool:
         """Each output row depends on its own rows of the arguments alone (``row_blocks`` splits it), an
-        embedding's on its own token (every block reads the whole table)."""
+        embedding's on its own token's row of the table."""
         return self.restrict in (restrict_rows, restrict_embed)
 
     @property
