@@ -293,7 +293,8 @@ def _failure_from_restriction(verdict_of, entry, args, got, dtype, index, stage,
     return None
 
 
-BLOCK = 1 << 15  # output elements a row-wise op's judging holds at a time: its arrays stay in the CPU's cache
+BLOCK = 1 << 17  # output elements a row-wise op's judging holds at a time: few enough that its arrays stay in the
+# CPU's cache, enough that the Python between blocks is a small part of their time
 
 
 def _judged_in_blocks(entry, args, got, dtype) -> Verdict | None:
