@@ -139,23 +139,27 @@ def verdict_units(got, exact, rad, exact_low, error, error_low, error_high, scal
         # costing the CPU about a hundred cycles; the compiler computes both sides of a branch, so what is
         # chosen is the dividend).
         negligible = not a >= allowed * spacing * 2.0**-56  # nan too, as before
-        a_over = a_constant if step == 0 else (0.0 if negligible else a) / allowed  # one allowance for all: once
-        a_unit = zero_over if negligible else a_over
-        unit = spacing + a_unit
         below = nan_max(s - r, 0.0)
         same = math.isfinite(s) and below >= spacing * binade  # s - r in s's binade: the same ULP
-        if same:
-            unit_low = unit
-        elif math.isfinite(s) and s < least_normal:  # s - r too is below D's normal numbers: the same ULP
-            unit_low = spacing + (a_over if not negligible else a / allowed)
-        else:
-            unit_low = _scale_ulp(below, precision, emin, max_finite) + (a_over if not negligible else a / allowed)
-        if negligible and k >= -1022 and zero_over == 0:  # unit is 2^k: times 2^-k is the same quotient
+        if finite and negligible and same and k >= -1022 and zero_over == 0:
+            # Most elements: the unit is 2^k at both ends, and times 2^-k is the same quotient (no division).
+            a_unit = zero_over
             inverse = from_bits((1023 - k) << 52)
-            u = err * inverse if finite else math.inf
-            u_high = (err_high * inverse if same else err_high / unit_low) if finite else math.inf
+            u, u_high = err * inverse, err_high * inverse
         else:
-            u = err / unit if finite else math.inf
+            a_over = a_constant if step == 0 else (0.0 if negligible else a) / allowed  # one allowance for all: once
+            a_unit = zero_over if negligible else a_over
+            unit = spacing + a_unit
+            if same:
+                unit_low = unit
+            elif math.isfinite(s) and s < least_normal:  # s - r too is below D's normal numbers: the same ULP
+                unit_low = spacing + (a_over if not negligible else a / allowed)
+            else:
+                unit_low = _scale_ulp(below, precision, emin, max_finite) + (a_over if not negligible else a / allowed)
+            if negligible and k >= -1022 and zero_over == 0:  # unit is 2^k: times 2^-k is the same quotient
+                u = err * from_bits((1023 - k) << 52) if finite else math.inf
+            else:
+                u = err / unit if finite else math.inf
             u_high = err_high / unit_low if finite else math.inf
         right = flags and right_inf[i]
         if right:
