@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 
 import numpy as np
 from mpmath import mp, mpf
@@ -297,6 +298,19 @@ BLOCK = 1 << 17  # output elements a row-wise op's judging holds at a time: few 
 # CPU's cache, enough that the Python between blocks is a small part of their time
 
 
+@cache
+def _keep_freed_memory() -> None:
+    """Asks glibc's malloc, where it is the allocator, to serve arrays of up to 32 MB from its heap and to
+    keep up to 128 MB of it freed instead of handing it back to the kernel.  Each block's arrays are freed
+    and made again for the next; memory handed back comes back as fresh pages, each a page fault, and at
+    blocks of ``BLOCK`` outputs its own heuristic hands them back whenever the output is not much larger
+    than a block.  It changes where memory comes from, never a value."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # None: not glibc's (macOS), nothing to ask
+    if mallopt is not None:
+        mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
+
+
 def _judged_in_blocks(entry, args, got, dtype) -> Verdict | None:
     """``_judge``'s verdict on a row-wise op's output from its enclosure, made ``BLOCK`` outputs at a
     time (the enclosure, the error model and ``decision.verdict_units`` on each block's rows, in arrays
@@ -310,6 +324,7 @@ def _judged_in_blocks(entry, args, got, dtype) -> Verdict | None:
     work = enclosures.work_type(format_of(dtype).precision)
     if work is not np.float64 and entry.name not in enclosures.DOUBLE_WORD:
         return None
+    _keep_freed_memory()
     _, _, allowed, constants = _allowance(entry, args, dtype)
     lead = table.row_axes(entry.name, args)
     rows = int(np.prod(lead, dtype=np.int64))
