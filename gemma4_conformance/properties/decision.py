@@ -156,10 +156,7 @@ def verdict_units(got, exact, rad, exact_low, error, error_low, error_high, scal
                 unit_low = spacing + (a_over if not negligible else a / allowed)
             else:
                 unit_low = _scale_ulp(below, precision, emin, max_finite) + (a_over if not negligible else a / allowed)
-            if negligible and k >= -1022 and zero_over == 0:  # unit is 2^k: times 2^-k is the same quotient
-                u = err * from_bits((1023 - k) << 52) if finite else math.inf
-            else:
-                u = err / unit if finite else math.inf
+            u = err / unit if finite else math.inf
             u_high = err_high / unit_low if finite else math.inf
         right = flags and right_inf[i]
         if right:
